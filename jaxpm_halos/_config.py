@@ -1,0 +1,63 @@
+"""Frozen, hashable configuration objects (usable as static ``jit`` arguments).
+
+Capacities are given as *factors* of the mean number of particles per device,
+``n0 = N / n_devices``, so one configuration suits every problem size and mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+def _rows(factor: float, n0: int) -> int:
+    return max(1, math.ceil(factor * n0))
+
+
+@dataclasses.dataclass(frozen=True)
+class DomainConfig:
+    """Buffer sizes of the pencil-domain exchange (see :mod:`jaxpm_halos._domain`).
+
+    Attributes:
+      capacity_factor: rows per device for the particles a domain owns after migration,
+        in units of ``n0``. Clustering makes domains unequal; 2 suits z=0 JaxPM runs.
+      transfer_factor: rows per device pair and migration stage, in units of ``n0``.
+        Particles stray a few cells from their lattice block; random flat input sends
+        ``n0 / p`` to each of ``p`` devices along an axis.
+      ghost_factor: rows for the ghost copies sent through one domain face, in units of
+        ``n0``. Ghost layers are as wide as the analysis needs (the linking length for FoF,
+        the k-th neighbour distance for kNN).
+    """
+
+    capacity_factor: float = 2.0
+    transfer_factor: float = 0.6
+    ghost_factor: float = 0.5
+
+    def capacity_rows(self, n0: int) -> int:
+        return _rows(self.capacity_factor, n0)
+
+    def transfer_rows(self, n0: int) -> int:
+        return _rows(self.transfer_factor, n0)
+
+    def ghost_rows(self, n0: int) -> int:
+        return _rows(self.ghost_factor, n0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoFConfig:
+    """Friends-of-friends settings.
+
+    Attributes:
+      max_halos: catalogue rows per device, also the rows used to combine groups split
+        across devices. ``None`` picks ``max(1024, n0 // 16)``.
+      chunk_size: candidate pairs tested per pass. Memory is O(chunk_size), and the number
+        of passes is (candidate pairs) / chunk_size.
+      domain: the domain exchange buffers.
+    """
+
+    max_halos: int | None = None
+    chunk_size: int = 1 << 18
+    domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
+
+    def halo_rows(self, n0: int) -> int:
+        return self.max_halos if self.max_halos is not None else max(1024, n0 // 16)

@@ -1,0 +1,301 @@
+"""Pencil-domain exchange, run per device inside ``shard_map``.
+
+* :func:`migrate` sends every particle to the device whose pencil holds its position,
+  in two all-to-all stages (along the x mesh axis, then along y). Particles that stay are
+  never copied into a send buffer.
+* :func:`build_ghosts` gives each device copies ("ghosts") of every particle within a width
+  ``w`` of its pencil, periodic images included, through two ppermute stages: x faces first,
+  then y faces of owned particles and x-ghosts together, which fills the corners.
+* :class:`Ghosts` moves per-particle values from owners to their ghosts (``forward``) and
+  reduces values from ghosts back onto their owners (``reverse``).
+* :func:`return_trip` routes per-particle results back to the input layout. It runs the
+  migration stages in reverse order, so each stage moves exactly as many rows as the
+  mirrored forward stage did and fits the same buffers.
+
+Only ``jax.lax`` collectives are used (jaxdecomp's operations are silently wrong inside a
+user ``shard_map``, and ``ragged_all_to_all`` does not exist on CPU). Every buffer has a
+fixed number of rows; the rows each one needed are returned for :class:`~._status.Status`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._layout import Pencils
+
+int32 = jnp.int32
+
+
+def compact(mask, tree, rows: int):
+    """Move the rows where ``mask`` holds to the front of fresh ``rows``-row buffers.
+
+    Returns the buffers (zero after the kept rows) and the number of rows that *should*
+    have been kept, which exceeds ``rows`` on overflow.
+    """
+    slot = jnp.cumsum(mask, dtype=int32) - 1
+    target = jnp.where(mask & (slot < rows), slot, rows)
+    out = jax.tree.map(
+        lambda a: jnp.zeros((rows,) + a.shape[1:], a.dtype).at[target].set(a, mode="drop"), tree)
+    return out, jnp.sum(mask, dtype=int32)
+
+
+def selection(mask, rows: int):
+    """Indices of the rows where ``mask`` holds, in order, padded with ``len(mask)``."""
+    n = mask.shape[0]
+    indices, count = compact(mask, jnp.arange(n, dtype=int32), rows)
+    return jnp.where(jnp.arange(rows) < count, indices, n), count
+
+
+def take(values, indices):
+    """Gather rows, with zeros where an index is out of range (padding)."""
+    return jax.tree.map(lambda a: jnp.take(a, indices, axis=0, mode="fill", fill_value=0), values)
+
+
+def pmax_all(pencils: Pencils, value):
+    axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
+    return lax.pmax(value, axes) if axes else value
+
+
+def psum_all(pencils: Pencils, value):
+    axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
+    return lax.psum(value, axes) if axes else value
+
+
+# ----------------------------------------------------------------------------------------
+# All-to-all routing
+
+
+def _exchange(axis, blocks, dest, valid, payload, pair_rows, out_rows):
+    """One all-to-all stage: send each valid row to block ``dest`` along ``axis``.
+
+    Returns the new payload (``out_rows`` rows, valid rows first), its row count, the
+    largest number of rows sent to one device, and the rows that arrived plus stayed.
+    """
+    if axis is None:
+        out, count = compact(valid, payload, out_rows)
+        return out, count, jnp.int32(0), count
+    n = valid.shape[0]
+    me = lax.axis_index(axis)
+    send = valid & (dest != me)
+    key = jnp.where(send, dest, blocks)
+    counts = jnp.zeros(blocks + 1, int32).at[key].add(1)[:blocks]
+    first = jnp.cumsum(counts) - counts
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    rank = jnp.arange(n, dtype=int32) - first[jnp.minimum(sorted_key, blocks - 1)]
+    sorted_slot = jnp.where((sorted_key < blocks) & (rank < pair_rows),
+                            sorted_key * pair_rows + rank, blocks * pair_rows)
+    slot = jnp.zeros(n, int32).at[order].set(sorted_slot)
+
+    def send_leaf(a):
+        buf = jnp.zeros((blocks * pair_rows,) + a.shape[1:], a.dtype).at[slot].set(a, mode="drop")
+        buf = lax.all_to_all(buf.reshape((blocks, pair_rows) + a.shape[1:]), axis, 0, 0)
+        return buf.reshape((blocks * pair_rows,) + a.shape[1:])
+
+    received = jax.tree.map(send_leaf, payload)
+    arrived = lax.all_to_all(jnp.stack([jnp.minimum(counts, pair_rows), counts], 1), axis, 0, 0)
+    recv_valid = (jnp.arange(pair_rows)[None, :] < arrived[:, :1]).reshape(-1)
+    keep = valid & ~send
+    merged = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), payload, received)
+    out, count = compact(jnp.concatenate([keep, recv_valid]), merged, out_rows)
+    wanted = jnp.sum(keep, dtype=int32) + jnp.sum(arrived[:, 1])
+    return out, jnp.minimum(count, out_rows), jnp.max(counts), wanted
+
+
+def route(pencils: Pencils, payload, valid, dest_fn: Callable, pair_rows: int, mid_rows: int,
+          out_rows: int, order: str = "xy"):
+    """Send rows to the pencils ``dest_fn(payload) -> (i, j)`` in two all-to-all stages.
+
+    Returns ``(payload, count, need_pair, need_rows)``: the routed rows (``out_rows`` of
+    them, valid first), the number of valid rows, and the largest per-pair and per-device
+    row counts that were needed.
+    """
+    need_pair = need_rows = jnp.int32(0)
+    for stage, rows in zip(order, (mid_rows, out_rows)):
+        di, dj = dest_fn(payload)
+        axis, blocks, dest = ((pencils.x_axis, pencils.px, di) if stage == "x"
+                              else (pencils.y_axis, pencils.py, dj))
+        payload, count, pair, wanted = _exchange(axis, blocks, dest, valid, payload, pair_rows, rows)
+        valid = jnp.arange(rows) < count
+        need_pair = jnp.maximum(need_pair, pair)
+        need_rows = jnp.maximum(need_rows, wanted)
+    return payload, count, need_pair, need_rows
+
+
+class Migrated(NamedTuple):
+    """One device's pencil after migration (all arrays have ``rows`` rows, valid first).
+
+    ``payload`` holds ``pos`` (canonical wrapped positions), ``id``, ``origin`` (the row in
+    the flattened global input, for the return trip) and any extra per-particle fields.
+    """
+
+    payload: dict
+    count: jax.Array
+    need_transfer: jax.Array
+    need_capacity: jax.Array
+    nonfinite: jax.Array
+
+    @property
+    def valid(self):
+        return jnp.arange(self.payload["id"].shape[0]) < self.count
+
+
+def migrate(pencils: Pencils, fields: dict, valid, transfer_rows: int, capacity_rows: int):
+    """Send every valid particle to the device whose pencil contains ``fields['pos']``.
+
+    ``fields`` maps names to per-row arrays of one device's input block; it must hold
+    ``pos`` (wrapped into the box) and ``id``. An ``origin`` field (global input row) is
+    added. Non-finite positions are excluded and counted.
+    """
+    n = valid.shape[0]
+    finite = jnp.all(jnp.isfinite(fields["pos"]), axis=-1)
+    nonfinite = jnp.sum(valid & ~finite, dtype=int32)
+    valid = valid & finite
+    payload = dict(fields)
+    payload["pos"] = jnp.where(valid[:, None], fields["pos"], 0)
+    payload["origin"] = pencils.device_index() * n + jnp.arange(n, dtype=int32)
+    routed, count, need_pair, need_rows = route(
+        pencils, payload, valid, lambda p: pencils.block_of(p["pos"]),
+        transfer_rows, capacity_rows, capacity_rows)
+    routed["id"] = jnp.where(jnp.arange(capacity_rows) < count, routed["id"], -1)
+    return Migrated(routed, count, need_pair, need_rows, nonfinite)
+
+
+def return_trip(pencils: Pencils, values, origin, count, input_rows: int, transfer_rows: int,
+                capacity_rows: int):
+    """Route per-particle ``values`` (rows matching ``origin``) back to the input layout.
+
+    Returns arrays of ``input_rows`` rows in the input block's own order.
+    """
+    valid = jnp.arange(origin.shape[0]) < count
+
+    def home(p):
+        device = p["origin"] // input_rows
+        return device // pencils.py, device % pencils.py
+
+    routed, n_back, _, _ = route(pencils, {"v": values, "origin": origin}, valid, home,
+                                 transfer_rows, capacity_rows, input_rows, order="yx")
+    back = jnp.arange(input_rows) < n_back
+    slot = jnp.where(back, routed["origin"] % input_rows, input_rows)
+    return jax.tree.map(lambda a: jnp.zeros_like(a).at[slot].set(a, mode="drop"), routed["v"])
+
+
+# ----------------------------------------------------------------------------------------
+# Ghost layers
+
+
+def _swap(axis, blocks, to_low, to_high):
+    """Send ``to_low`` to the previous device along ``axis`` and ``to_high`` to the next.
+
+    Returns ``(from_high, from_low)``: what the next device sent down and what the previous
+    device sent up. With one device along the axis both come back to this device.
+    """
+    if axis is None:
+        return to_low, to_high
+    down = [(s, (s - 1) % blocks) for s in range(blocks)]
+    up = [(s, (s + 1) % blocks) for s in range(blocks)]
+    from_high = jax.tree.map(lambda a: lax.ppermute(a, axis, down), to_low)
+    from_low = jax.tree.map(lambda a: lax.ppermute(a, axis, up), to_high)
+    return from_high, from_low
+
+
+class Ghosts(NamedTuple):
+    """The ghost exchange of one device, reusable for any per-particle value.
+
+    The extended row order is ``[owned | x low side | x high side | y low side | y high side]``
+    with ``rows`` rows in each ghost block; ``sends[s]`` are the rows sent down and up in
+    stage ``s`` (padded with an out-of-range index).
+    """
+
+    sends: tuple
+
+    def forward(self, pencils: Pencils, values):
+        """Extend per-owned-row ``values`` to every extended row (ghosts get their owner's)."""
+        for (axis, blocks), (low, high) in zip(_stage_axes(pencils), self.sends):
+            from_high, from_low = _swap(axis, blocks, take(values, low), take(values, high))
+            values = jax.tree.map(lambda a, b, c: jnp.concatenate([a, b, c]), values, from_low,
+                                  from_high)
+        return values
+
+    def reverse_min(self, pencils: Pencils, values):
+        """Reduce per-extended-row ``values`` onto owned rows: each owner takes the minimum
+        over itself and all its ghost copies."""
+        for (axis, blocks), (low, high) in reversed(list(zip(_stage_axes(pencils), self.sends))):
+            rows = low.shape[0]
+            base = values.shape[0] - 2 * rows
+            on_low, on_high = values[base:base + rows], values[base + rows:]
+            from_high, from_low = _swap(axis, blocks, on_low, on_high)
+            values = values[:base].at[low].min(from_low, mode="drop").at[high].min(from_high,
+                                                                                 mode="drop")
+        return values
+
+
+def _stage_axes(pencils: Pencils):
+    return ((pencils.x_axis, pencils.px), (pencils.y_axis, pencils.py))
+
+
+class Extended(NamedTuple):
+    """Owned particles plus ghosts, as seen by one device.
+
+    Attributes:
+      pos: (E, 3) canonical positions in ``[0, L)``; use these for every distance.
+      image: (E, 2) int32 periodic image of each row along x and y: the row sits at
+        ``pos + L * image`` in this device's frame, next to its pencil.
+      id: (E,) int32 global ids (-1 in padding).
+      valid: (E,) bool.
+      owned: number of leading owned rows (static).
+    """
+
+    pos: jax.Array
+    image: jax.Array
+    id: jax.Array
+    valid: jax.Array
+    owned: int
+
+    def local_pos(self, box_size):
+        """Positions in this device's unwrapped frame (x, y continuous across its faces)."""
+        shift = jnp.concatenate([self.image, jnp.zeros_like(self.image[:, :1])], 1)
+        return self.pos + box_size * shift.astype(self.pos.dtype)
+
+
+def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: int):
+    """Copy every particle within ``width`` of this device's pencil onto it.
+
+    ``pos``/``ids``/``valid`` describe the owned rows (after :func:`migrate`). ``width`` may
+    be as large as the narrower pencil side. Returns ``(extended, ghosts, need)`` where
+    ``need`` is the largest ghost block that was needed.
+    """
+    wx, wy = pencils.widths
+    if not 0 <= width <= min(wx, wy):
+        raise ValueError(f"ghost width {width} must lie in [0, {min(wx, wy)}] (the narrower pencil "
+                         f"side of a ({pencils.px}, {pencils.py}) decomposition of a box of "
+                         f"{pencils.box_size})")
+    lo, hi = pencils.bounds()
+    coords = pencils.coords()
+    width = jnp.float32(width)
+    owned = pos.shape[0]
+    image = jnp.zeros((owned, 2), int32)
+    values = {"pos": pos, "id": ids, "image": image, "valid": valid}
+    sends, need = [], jnp.int32(0)
+    for dim, (axis, blocks) in enumerate(_stage_axes(pencils)):
+        coord = values["pos"][:, dim]
+        live = values["valid"]
+        low, n_low = selection(live & (coord < lo[dim] + width), ghost_rows)
+        high, n_high = selection(live & (coord >= hi[dim] - width), ghost_rows)
+        need = jnp.maximum(need, jnp.maximum(n_low, n_high))
+        from_high, from_low = _swap(axis, blocks, take(values, low), take(values, high))
+        # Rows that crossed the periodic seam sit one box away in this device's frame.
+        at_high_end = coords[dim] == blocks - 1
+        at_low_end = coords[dim] == 0
+        from_high["image"] = from_high["image"].at[:, dim].add(jnp.where(at_high_end, 1, 0))
+        from_low["image"] = from_low["image"].at[:, dim].add(jnp.where(at_low_end, -1, 0))
+        values = jax.tree.map(lambda a, b, c: jnp.concatenate([a, b, c]), values, from_low,
+                              from_high)
+        sends.append((low, high))
+    ext = Extended(values["pos"], values["image"], jnp.where(values["valid"], values["id"], -1),
+                   values["valid"], owned)
+    return ext, Ghosts(tuple(sends)), need

@@ -1,0 +1,99 @@
+"""The particle data model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ._geometry import wrap
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Particles:
+    """Particles in a periodic box, padded to a fixed number of rows.
+
+    Shapes use ``S`` for the leading shape: ``(n,)`` for a flat set, or ``(nc, nc, nc)`` for
+    a JaxPM lattice (see :func:`jaxpm_halos.from_jaxpm`).
+
+    Attributes:
+      pos: ``S + (3,)`` float positions, wrapped into ``[0, box_size)``, in the same length
+        unit as ``box_size``.
+      id: ``S`` int32 global particle id; ``-1`` in padding rows.
+      num: scalar int32, the number of valid rows.
+      vel: ``S + (3,)`` velocities, or ``None``.
+      mass: scalar or ``S`` per-particle masses (default 1).
+      box_size: side of the periodic box (static).
+
+    Padding convention: for flat particles the valid rows come first, rows ``[num:]`` are
+    padding with ``id == -1``, zero position, velocity and mass. Padding never takes part
+    in any result: every kernel masks on ``arange(n) < num``. Global particles (the inputs
+    and outputs of the public API) are dense: ``num`` equals their size.
+    """
+
+    pos: jax.Array
+    id: jax.Array
+    num: jax.Array
+    vel: jax.Array | None = None
+    mass: jax.Array | float = 1.0
+    box_size: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, pos, box_size, *, id=None, vel=None, mass=1.0, num=None) -> "Particles":
+        """Build particles, wrapping ``pos`` into the box.
+
+        ``id`` defaults to the C-order row index and ``num`` to all rows. Rows at or after
+        ``num`` are turned into padding.
+        """
+        box_size = _check_box_size(box_size)
+        pos = jnp.asarray(pos)
+        if pos.shape[-1:] != (3,):
+            raise ValueError(f"positions must have a trailing axis of size 3, got {pos.shape}")
+        if not jnp.issubdtype(pos.dtype, jnp.floating):
+            pos = pos.astype(jnp.float32)
+        shape = pos.shape[:-1]
+        size = int(jnp.size(pos) // 3)
+        if id is None:
+            id = jnp.arange(size, dtype=jnp.int32).reshape(shape)
+        dense = num is None
+        particles = cls(wrap(pos, box_size), jnp.asarray(id, jnp.int32),
+                        jnp.asarray(size if dense else num, jnp.int32),
+                        None if vel is None else jnp.asarray(vel, pos.dtype), mass, box_size)
+        return particles if dense else particles.masked()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The leading shape ``S``."""
+        return self.pos.shape[:-1]
+
+    @property
+    def size(self) -> int:
+        return int(jnp.size(self.id))
+
+    def valid(self) -> jax.Array:
+        """Bool mask over the flattened rows: True for real particles."""
+        return jnp.arange(self.size) < self.num
+
+    def masses(self) -> jax.Array:
+        """Per-row masses (zero in padding), flattened."""
+        mass = jnp.broadcast_to(jnp.asarray(self.mass, self.pos.dtype), self.shape).reshape(-1)
+        return jnp.where(self.valid(), mass, 0)
+
+    def masked(self) -> "Particles":
+        """Set padding rows to the padding convention (id -1, zeros)."""
+        valid = self.valid().reshape(self.shape)
+        zero = lambda a: None if a is None else jnp.where(valid[..., None], a, 0)
+        mass = self.mass
+        if jnp.ndim(mass):
+            mass = jnp.where(valid, mass, 0)
+        return dataclasses.replace(self, pos=zero(self.pos), vel=zero(self.vel),
+                                   id=jnp.where(valid, self.id, -1), mass=mass)
+
+
+def _check_box_size(box_size) -> float:
+    box_size = float(box_size)
+    if not box_size > 0 or box_size != box_size or box_size == float("inf"):
+        raise ValueError(f"box_size must be a positive finite length, got {box_size}")
+    return box_size

@@ -1,0 +1,19 @@
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]
+
+
+def make_mesh(shape, names=("x", "y")):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+@pytest.fixture(scope="session", params=MESH_SHAPES + [(1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def mesh(request):
+    return make_mesh(request.param)
