@@ -1,0 +1,17 @@
+"""jaxpm_halos: in-situ, distributed friends-of-friends and kNN density for JaxPM.
+
+Importing this package imports only jax and numpy (never jaxpm or jaxdecomp).
+"""
+
+from ._config import DomainConfig, FoFConfig
+from ._particles import Particles
+from ._status import CapacityError, InvalidInputError, Status
+
+__all__ = [
+    "CapacityError",
+    "DomainConfig",
+    "FoFConfig",
+    "InvalidInputError",
+    "Particles",
+    "Status",
+]
