@@ -15,3 +15,8 @@ __all__ = [
     "Particles",
     "Status",
 ]
+
+from ._catalogue import Catalogue  # noqa: E402
+from ._fof import fof, fof_local  # noqa: E402
+
+__all__ += ["Catalogue", "fof", "fof_local"]

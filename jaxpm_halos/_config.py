@@ -22,22 +22,28 @@ class DomainConfig:
       capacity_factor: rows per device for the particles a domain owns after migration,
         in units of ``n0``. Clustering makes domains unequal; 2 suits z=0 JaxPM runs.
       transfer_factor: rows per device pair and migration stage, in units of ``n0``.
-        Particles stray a few cells from their lattice block; random flat input sends
-        ``n0 / p`` to each of ``p`` devices along an axis.
+        ``None`` picks 0.6 for JaxPM grids, whose particles stray a few cells from their
+        lattice block, and 1.0 for flat input, which may arrive in any order (a device
+        never sends more than the ``n0`` rows it has in the first stage).
       ghost_factor: rows for the ghost copies sent through one domain face, in units of
         ``n0``. Ghost layers are as wide as the analysis needs (the linking length for FoF,
         the k-th neighbour distance for kNN).
     """
 
     capacity_factor: float = 2.0
-    transfer_factor: float = 0.6
+    transfer_factor: float | None = None
     ghost_factor: float = 0.5
 
     def capacity_rows(self, n0: int) -> int:
         return _rows(self.capacity_factor, n0)
 
-    def transfer_rows(self, n0: int) -> int:
-        return _rows(self.transfer_factor, n0)
+    def transfer(self, grid: bool) -> float:
+        if self.transfer_factor is not None:
+            return self.transfer_factor
+        return 0.6 if grid else 1.0
+
+    def transfer_rows(self, n0: int, grid: bool) -> int:
+        return _rows(self.transfer(grid), n0)
 
     def ghost_rows(self, n0: int) -> int:
         return _rows(self.ghost_factor, n0)

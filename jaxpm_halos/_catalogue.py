@@ -1,0 +1,150 @@
+"""Padded halo catalogues, built per device from FoF labels.
+
+Each local component with owned members contributes one row of partial sums, taken about
+an anchor (its owned member with the smallest id) with minimum-image offsets. Rows of
+groups that are complete on the device and too small are dropped there; all other rows
+travel to the group's home device, ``label % n_devices``, where they are combined: the
+partial row that holds the group's own smallest-id particle supplies the common anchor,
+and the others are aligned to it by minimum image. Groups are assumed smaller than half
+the box, as the periodic centre of mass requires.
+
+Anchors are held out of autodiff, so the centre of mass and mean velocity are exact
+weighted means whose gradients with respect to positions and velocities are ``m_i / M``
+(membership held fixed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._domain import route, selection
+from ._geometry import periodic_delta, wrap
+from ._layout import Pencils
+from ._status import Status
+
+int32 = jnp.int32
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Catalogue:
+    """FoF groups with at least ``min_members`` members, padded per device.
+
+    Per device there are ``max_halos`` rows, sorted by id, of which the first ``num`` are
+    valid. Globally (from :func:`jaxpm_halos.fof`) the rows of all devices are stacked along
+    axis 0 (``n_devices * max_halos`` rows, sharded over the mesh) and ``num`` has one entry
+    per device. Padding rows have ``id == -1`` and ``count == 0``.
+
+    Attributes:
+      id: group label, the smallest particle id in the group.
+      count: number of members.
+      mass: total mass (units of the input masses; 1 per particle by default).
+      pos: (…, 3) periodic centre of mass, wrapped into ``[0, L)``.
+      vel: (…, 3) mass-weighted mean velocity (units of the input velocities), or None.
+      vel_disp: 1D velocity dispersion ``sqrt(<|v - vmean|^2> / 3)``, or None.
+      radius: rms distance of the members from the centre of mass.
+      num: valid rows per device.
+      status: buffer needs of the whole computation (see :class:`~jaxpm_halos.Status`).
+    """
+
+    id: jax.Array
+    count: jax.Array
+    mass: jax.Array
+    pos: jax.Array
+    vel: jax.Array | None
+    vel_disp: jax.Array | None
+    radius: jax.Array
+    num: jax.Array
+    status: Status
+
+    def to_numpy(self) -> dict:
+        """Host-side: the valid halos of all devices as numpy arrays, sorted by id."""
+        num = np.atleast_1d(np.asarray(self.num))
+        rows = np.asarray(self.id).shape[0] // num.shape[0]
+        keep = (np.arange(num.shape[0] * rows) % rows) < np.repeat(num, rows)
+        fields = {f: np.asarray(getattr(self, f))[keep] for f in
+                  ("id", "count", "mass", "pos", "vel", "vel_disp", "radius")
+                  if getattr(self, f) is not None}
+        order = np.argsort(fields["id"], kind="stable")
+        return {k: v[order] for k, v in fields.items()}
+
+
+def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, component, segments, labels,
+                   has_ghost, min_members: int, halo_rows: int):
+    """Per-device catalogue of the groups whose home is this device.
+
+    Returns ``(fields, num, need_rows)``; ``fields`` maps catalogue field names to arrays of
+    ``halo_rows`` rows.
+    """
+    box = pencils.box_size
+    dtype = pos.dtype
+    seg_sum = lambda v: jax.ops.segment_sum(v, component, num_segments=segments)
+    seg_min = lambda v: jax.ops.segment_min(v, component, num_segments=segments)
+    members = seg_sum(owned.astype(int32))
+    first_id = seg_min(jnp.where(owned, ids, _BIG))
+    label = seg_min(jnp.where(owned, labels, _BIG))
+    is_anchor = owned & (ids == first_id[component])
+    anchor = jnp.zeros((segments, 3), dtype).at[jnp.where(is_anchor, component, segments)].set(
+        jax.lax.stop_gradient(pos), mode="drop")
+    rel = jnp.where(owned[:, None], periodic_delta(pos, anchor[component], box), 0)
+    m = jnp.where(owned, mass, 0).astype(dtype)
+    sums = {"count": members, "mass": seg_sum(m), "s": seg_sum(m[:, None] * rel),
+            "q": seg_sum(m * jnp.sum(rel * rel, 1))}
+    if vel is not None:
+        v = jnp.where(owned[:, None], vel, 0)
+        sums["v"] = seg_sum(m[:, None] * v)
+        sums["w"] = seg_sum(m * jnp.sum(v * v, 1))
+    report = (members > 0) & (has_ghost | (members >= min_members))
+    rows, n_rows = selection(report, halo_rows)
+    payload = {k: jnp.take(v, rows, axis=0, mode="fill", fill_value=0) for k, v in sums.items()}
+    payload["label"] = jnp.take(label, rows, mode="fill", fill_value=0)
+    payload["root"] = jnp.take(first_id == label, rows, mode="fill", fill_value=False)
+    payload["anchor"] = jnp.take(anchor, rows, axis=0, mode="fill", fill_value=0)
+
+    ndev = pencils.num_devices
+    home = lambda p: ((p["label"] % ndev) // pencils.py, (p["label"] % ndev) % pencils.py)
+    routed, n_routed, need_pair, need_routed = route(
+        pencils, payload, jnp.arange(halo_rows) < n_rows, home, halo_rows, halo_rows, halo_rows)
+    fields, num = _combine(routed, n_routed, box, min_members, halo_rows)
+    need = jnp.maximum(jnp.maximum(n_rows, need_pair), jnp.maximum(need_routed, num))
+    return fields, jnp.minimum(num, halo_rows), need
+
+
+def _combine(rows, n, box, min_members, halo_rows):
+    """Combine partial rows of the same label into catalogue rows (sorted by label)."""
+    valid = jnp.arange(halo_rows) < n
+    order = jnp.argsort(jnp.where(valid, rows["label"], _BIG))
+    rows = jax.tree.map(lambda a: a[order], rows)
+    valid = valid[order]
+    label = rows["label"]
+    starts = valid & jnp.concatenate([jnp.ones(1, bool), label[1:] != label[:-1]])
+    seg = jnp.cumsum(starts, dtype=int32) - 1
+    seg = jnp.where(valid, seg, halo_rows)
+    total = lambda v: jax.ops.segment_sum(v, seg, num_segments=halo_rows)
+    ref = total(jnp.where(rows["root"][:, None], rows["anchor"], 0))
+    delta = periodic_delta(rows["anchor"], ref[jnp.minimum(seg, halo_rows - 1)], box)
+    mass_row = rows["mass"]
+    count = total(rows["count"])
+    mass = total(mass_row)
+    safe = jnp.where(mass > 0, mass, 1)
+    com = total(mass_row[:, None] * delta + rows["s"]) / safe[:, None]
+    off = delta - com[jnp.minimum(seg, halo_rows - 1)]
+    q = total(rows["q"] + 2 * jnp.sum(off * rows["s"], 1) + mass_row * jnp.sum(off * off, 1))
+    fields = {"id": jax.ops.segment_max(jnp.where(valid, label, -1), seg, num_segments=halo_rows),
+              "count": count, "mass": mass, "pos": wrap(ref + com, box),
+              "radius": jnp.sqrt(jnp.maximum(q / safe, 0))}
+    if "v" in rows:
+        vmean = total(rows["v"]) / safe[:, None]
+        w = total(rows["w"]) / safe
+        fields["vel"] = vmean
+        fields["vel_disp"] = jnp.sqrt(jnp.maximum(w - jnp.sum(vmean * vmean, 1), 0) / 3)
+    keep = count >= min_members
+    picked, num = selection(keep, halo_rows)
+    out = {k: jnp.take(v, picked, axis=0, mode="fill", fill_value=0) for k, v in fields.items()}
+    out["id"] = jnp.where(jnp.arange(halo_rows) < num, out["id"], -1)
+    return out, num

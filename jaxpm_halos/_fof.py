@@ -1,0 +1,285 @@
+"""Exact distributed friends-of-friends.
+
+Per device (inside ``shard_map``):
+
+1. the particles are migrated to the pencil that holds them and receive ghost copies of
+   every particle within the linking length of the pencil (:mod:`._domain`);
+2. periodic images along z are appended, and the rows are sorted into cells of side >= l
+   (:mod:`._cells`);
+3. candidate pairs over each cell and its forward neighbours are tested in fixed-size
+   chunks, and linked pairs are merged at once into a union-find forest (hook the larger
+   root under the smaller, then pointer-jump);
+4. groups that cross pencils are merged: each local component takes the smallest id among
+   its rows, owners take the minimum over their ghost copies, ghosts receive it back, and
+   this repeats until a ``psum`` says no label changed.
+
+Every link is found on the device that owns one of its ends (a partner within ``l`` of an
+owned particle is always an owned row or a ghost there), and all distances use the
+canonical wrapped coordinates, so the groups are those of a serial FoF on every mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ._catalogue import Catalogue, catalogue_rows
+from ._cells import CellGrid, compress, for_each_pair_chunk, half_shell_ranges, sort_cells, union
+from ._config import FoFConfig
+from ._domain import (Extended, Ghosts, build_ghosts, migrate, pmax_all, psum_all, return_trip,
+                      selection)
+from ._frontend import Problem, local_fields, prepare, row_masses
+from ._geometry import periodic_distance2, wrap
+from ._layout import Pencils
+from ._particles import Particles
+from ._status import Limit, Status, is_traced
+
+int32 = jnp.int32
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+def z_images(ext: Extended, width: float, box_size: float, rows: int):
+    """Append periodic images along z of the rows within ``width`` of z = 0 and z = L.
+
+    Returns the local-frame positions of all rows (extended rows, then images), their
+    validity, the extended row each image copies, and the rows the images needed.
+    """
+    pos = ext.local_pos(box_size)
+    z = ext.pos[:, 2]
+    low, n_low = selection(ext.valid & (z < width), rows)
+    high, n_high = selection(ext.valid & (z >= box_size - width), rows)
+    source = jnp.concatenate([low, high])
+    shift = jnp.concatenate([jnp.full(rows, box_size), jnp.full(rows, -box_size)]).astype(pos.dtype)
+    image_pos = jnp.take(pos, source, axis=0, mode="fill", fill_value=0).at[:, 2].add(shift)
+    image_valid = jnp.concatenate([jnp.arange(rows) < n_low, jnp.arange(rows) < n_high])
+    return (jnp.concatenate([pos, image_pos]), jnp.concatenate([ext.valid, image_valid]),
+            source, jnp.maximum(n_low, n_high))
+
+
+def local_components(ext: Extended, pencils: Pencils, linking_length: float, width: float,
+                     image_rows: int, chunk: int):
+    """Connected components of the friends graph among one device's extended rows.
+
+    Returns ``(component, segments, need_images, pairs)``: for each extended row a component
+    index below ``segments`` (the sorted position of its root, shared by exactly the rows of
+    one local component), the rows the z images needed, and the candidate pairs tested.
+    """
+    box = pencils.box_size
+    l = float(linking_length)
+    wx, wy = pencils.widths
+    grid = CellGrid.covering((wx + 2 * width, wy + 2 * width, box + 2 * width), l)
+    lo, _ = pencils.bounds()
+    origin = jnp.stack([lo[0] - width, lo[1] - width, jnp.float32(-width)]).astype(ext.pos.dtype)
+
+    pos, valid, source, need_images = z_images(ext, width, box, image_rows)
+    canon = jnp.concatenate([ext.pos, jnp.take(ext.pos, source, axis=0, mode="fill", fill_value=0)])
+    cells = sort_cells(grid, pos, origin, valid)
+    sorted_pos = canon[cells.order]
+    rows = cells.order.shape[0]
+    rank = jnp.zeros(rows, int32).at[cells.order].set(jnp.arange(rows, dtype=int32))
+
+    # Each image is the same particle as the row it copies.
+    n_ext = ext.pos.shape[0]
+    image_of = rank[n_ext:]
+    image_src = jnp.take(rank, source, mode="fill", fill_value=0)
+    parent = union(jnp.arange(rows, dtype=int32), image_of, image_src, valid[n_ext:])
+
+    limit = jnp.asarray(l * l, ext.pos.dtype)
+
+    def link_chunk(parent, i, j, live):
+        d2 = periodic_distance2(sorted_pos[i], sorted_pos[j], box)
+        return union(parent, i, j, live & (d2 <= limit))
+
+    starts, ends = half_shell_ranges(grid, cells)
+    parent, pairs = for_each_pair_chunk(starts, ends, chunk, link_chunk, parent)
+    parent = compress(parent)
+    return parent[rank[:n_ext]], rows, need_images, pairs
+
+
+def merge_labels(ext: Extended, ghosts: Ghosts, pencils: Pencils, component, segments: int):
+    """Global FoF labels (smallest particle id of the group) for every extended row.
+
+    Iterates min-label exchange between local components and the ghost copies of each
+    particle until no label changes on any device. Returns ``(labels, iterations)``.
+    """
+    ids = jnp.where(ext.valid, ext.id, _BIG)
+
+    def spread(values):
+        return jax.ops.segment_min(values, component, num_segments=segments)[component]
+
+    def step(state):
+        labels, _, iterations = state
+        owned = ghosts.reverse_min(pencils, labels)
+        new = spread(jnp.where(ext.valid, ghosts.forward(pencils, owned), _BIG))
+        changed = psum_all(pencils, jnp.sum(new != labels, dtype=int32))
+        return new, changed, iterations + 1
+
+    labels, _, iterations = lax.while_loop(lambda s: s[1] > 0, step,
+                                           (spread(ids), jnp.int32(1), jnp.int32(0)))
+    return jnp.where(ext.valid, labels, -1), iterations
+
+
+# ----------------------------------------------------------------------------------------
+# Device kernel and public API
+
+
+def ghost_width(linking_length: float, box_size: float) -> float:
+    """Ghost layer for FoF: the linking length plus a margin for float rounding at faces."""
+    return float(linking_length) * (1 + 1e-5) + 8 * float(np.finfo(np.float32).eps) * box_size
+
+
+def _device_fof(pencils: Pencils, fields, valid, linking_length, min_members, config: FoFConfig,
+                n0: int, grid: bool):
+    """FoF on one device's rows. Returns ``(migrated, labels, catalogue)``."""
+    dom = config.domain
+    transfer = dom.transfer_rows(n0, grid)
+    capacity, ghost = dom.capacity_rows(n0), dom.ghost_rows(n0)
+    halo_rows = config.halo_rows(n0)
+    width = ghost_width(linking_length, pencils.box_size)
+    migrated = migrate(pencils, fields, valid, transfer, capacity)
+    owned = migrated.valid
+    payload = migrated.payload
+    ext, ghosts, need_ghosts = build_ghosts(pencils, payload["pos"], payload["id"], owned, width,
+                                            ghost)
+    component, segments, need_images, _ = local_components(ext, pencils, linking_length, width,
+                                                           ghost, config.chunk_size)
+    labels, _ = merge_labels(ext, ghosts, pencils, component, segments)
+    is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)
+    has_ghost = jax.ops.segment_max(is_ghost, component, num_segments=segments)
+    cat, num, need_halos = catalogue_rows(
+        pencils, pos=payload["pos"], vel=payload.get("vel"), mass=payload["mass"], ids=payload["id"],
+        owned=owned, component=component[:capacity], segments=segments,
+        labels=labels[:capacity], has_ghost=has_ghost, min_members=min_members,
+        halo_rows=halo_rows)
+    needs = {"transfer": migrated.need_transfer, "capacity": migrated.need_capacity,
+             "ghosts": jnp.maximum(need_ghosts, need_images), "halos": need_halos}
+    limits = (("transfer", Limit("DomainConfig.transfer_factor", transfer, n0)),
+              ("capacity", Limit("DomainConfig.capacity_factor", capacity, n0)),
+              ("ghosts", Limit("DomainConfig.ghost_factor", ghost, n0)),
+              ("halos", Limit("FoFConfig.max_halos", halo_rows)))
+    status = Status(pmax_all(pencils, needs), psum_all(pencils, migrated.nonfinite), limits)
+    catalogue = Catalogue(id=cat["id"], count=cat["count"], mass=cat["mass"], pos=cat["pos"],
+                          vel=cat.get("vel"), vel_disp=cat.get("vel_disp"), radius=cat["radius"],
+                          num=num, status=status)
+    return migrated, labels[:capacity], catalogue
+
+
+def _linking_length(problem: Problem, linking_length, b) -> float:
+    if (linking_length is None) == (b is None):
+        raise ValueError("give exactly one of linking_length (a length) or b (in units of the "
+                         "mean particle separation)")
+    l = float(linking_length) if b is None else float(b) * problem.mean_separation
+    if not l > 0 or l != l:
+        raise ValueError(f"the linking length must be positive, got {l}")
+    wx, wy = problem.pencils.widths
+    if ghost_width(l, problem.box_size) > min(wx, wy):
+        raise ValueError(f"linking length {l} is wider than a pencil ({min(wx, wy)}) of the "
+                         f"({problem.pencils.px}, {problem.pencils.py}) mesh; use fewer devices "
+                         "along that axis")
+    if 3 * l > problem.box_size:
+        raise ValueError(f"linking length {l} must be below a third of the box {problem.box_size}")
+    return l
+
+
+@functools.lru_cache(maxsize=32)
+def _fof_program(problem: Problem, in_specs, linking_length: float, min_members: int,
+                 config: FoFConfig):
+    layout, pencils = problem.layout, problem.pencils
+    n0 = layout.local_size
+    dom = config.domain
+
+    def device(*blocks):
+        fields, shape = local_fields(problem, *blocks)
+        n = fields["pos"].shape[0]
+        fields["mass"] = row_masses(problem, fields)
+        migrated, labels, cat = _device_fof(pencils, fields, jnp.ones(n, bool), linking_length,
+                                            min_members, config, n0, layout.grid)
+        labels = return_trip(pencils, labels, migrated.payload["origin"], migrated.count, n,
+                             dom.transfer_rows(n0, layout.grid), dom.capacity_rows(n0))
+        return labels.reshape(shape), dataclasses.replace(cat, num=cat.num[None])
+
+    dev = layout.device_spec
+    cat_specs = Catalogue(id=dev, count=dev, mass=dev, pos=dev, vel=dev if problem.has_vel else None,
+                          vel_disp=dev if problem.has_vel else None, radius=dev, num=dev,
+                          status=P())
+    return jax.jit(lambda *args: layout.run(device, args, in_specs, (layout.spec, cat_specs)))
+
+
+def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
+        min_members: int = 20, mesh=None, config: FoFConfig = FoFConfig()):
+    """Friends-of-friends groups and their catalogue, distributed over the input's mesh.
+
+    Args:
+      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded),
+        a JaxPM-layout grid ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
+        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
+      box_size: periodic box side, in the unit of ``pos`` (taken from Particles).
+      linking_length: two particles are friends when their minimum-image distance is at
+        most this length.
+      b: alternatively, the linking length in units of the mean separation ``L / N^(1/3)``
+        (``L / nc`` for grids).
+      vel, mass: optional velocities (same shape as ``pos``) and masses (scalar or per
+        particle) for the catalogue; taken from Particles when present.
+      min_members: smallest group that enters the catalogue.
+      mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
+      config: buffer sizes (:class:`~jaxpm_halos.FoFConfig`).
+
+    Returns:
+      ``(labels, catalogue)``. ``labels`` has the input's leading shape and sharding; a
+      particle's label is the smallest id in its group (input index, or lattice index for
+      grids), so labels are identical on every mesh. ``catalogue`` is a padded
+      :class:`~jaxpm_halos.Catalogue`. Called outside ``jit``, a buffer overflow or a
+      non-finite position raises an error naming the knob and a value that fits; inside
+      ``jit``, read ``catalogue.status`` (or call ``catalogue.status.raise_if_failed()``).
+    """
+    problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)
+    l = _linking_length(problem, linking_length, b)
+    if int(min_members) < 1:
+        raise ValueError(f"min_members must be at least 1, got {min_members}")
+    labels, catalogue = _fof_program(problem, in_specs, l, int(min_members), config)(*args)
+    if not is_traced(labels):
+        catalogue.status.check()
+    return labels, catalogue
+
+
+def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
+              min_members: int = 20, config: FoFConfig = FoFConfig(), n0: int | None = None):
+    """FoF on one device's particles, for use inside the caller's own ``shard_map``.
+
+    Args:
+      particles: this device's padded :class:`~jaxpm_halos.Particles` (rows, valid first);
+        ids must be global and unique.
+      linking_length: in the unit of the positions.
+      axes: the caller's mesh axis names that cut the box along x and y (None for an axis
+        that is not cut). Device ``(i, j)`` of those axes owns pencil ``(i, j)``.
+      n0: the mean particles per device that the capacity factors refer to (default: the
+        number of rows of ``particles``).
+
+    Returns:
+      ``(domain, labels, catalogue)``: the particles this device owns after migration
+      (padded, valid first), their labels in that order (-1 in padding), and this device's
+      padded catalogue (``num`` is a scalar). No return trip is made.
+    """
+    x_axis, y_axis = axes
+    px = jax.lax.axis_size(x_axis) if x_axis else 1
+    py = jax.lax.axis_size(y_axis) if y_axis else 1
+    pencils = Pencils(x_axis if px > 1 else None, y_axis if py > 1 else None, px, py,
+                      particles.box_size)
+    n0 = particles.size if n0 is None else int(n0)
+    fields = {"pos": wrap(particles.pos.reshape(-1, 3), particles.box_size),
+              "id": particles.id.reshape(-1), "mass": particles.masses()}
+    if particles.vel is not None:
+        fields["vel"] = particles.vel.reshape(-1, 3)
+    migrated, labels, catalogue = _device_fof(pencils, fields, particles.valid(),
+                                              float(linking_length), int(min_members), config, n0,
+                                              grid=False)
+    payload = migrated.payload
+    domain = Particles(payload["pos"], payload["id"], migrated.count, payload.get("vel"),
+                       payload["mass"], particles.box_size)
+    return domain, labels, catalogue

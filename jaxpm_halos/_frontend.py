@@ -1,0 +1,136 @@
+"""From the public API's inputs to per-device kernels, and back.
+
+:func:`prepare` accepts positions ``(N, 3)`` or ``(nc, nc, nc, 3)``, or
+:class:`~jaxpm_halos.Particles`, with optional velocities and masses, and reads the layout
+from the input. :func:`local_fields` runs on each device and flattens its block into rows
+with global ids: the input index for flat input, the lattice index for JaxPM grids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ._geometry import wrap
+from ._layout import Layout, layout_of
+from ._particles import Particles, _check_box_size
+
+int32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Static description of one call: layout, box and which optional fields exist."""
+
+    layout: Layout
+    box_size: float
+    has_vel: bool
+    has_ids: bool
+    mass_kind: str  # "static", "scalar" (replicated array) or "rows"
+    static_mass: float = 1.0
+
+    @property
+    def pencils(self):
+        return self.layout.pencils
+
+    @property
+    def total(self) -> int:
+        return int(np.prod(self.layout.shape))
+
+    @property
+    def mean_separation(self) -> float:
+        return self.box_size / self.total ** (1 / 3)
+
+
+def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
+    """Normalise inputs. Returns ``(problem, args, in_specs)`` for :meth:`Layout.run`."""
+    ids = None
+    if isinstance(pos, Particles):
+        particles = pos
+        box_size = particles.box_size if box_size is None else box_size
+        vel = particles.vel if vel is None else vel
+        mass = particles.mass if mass is None else mass
+        ids, pos = particles.id, particles.pos
+    if box_size is None:
+        raise ValueError("box_size is required for position arrays")
+    box_size = _check_box_size(box_size)
+    if not hasattr(pos, "shape"):
+        pos = jnp.asarray(pos)
+    if not jnp.issubdtype(pos.dtype, jnp.floating):
+        pos = jnp.asarray(pos, jnp.float32)
+    layout = layout_of(pos, box_size, mesh)
+    spec = layout.spec
+    vector_spec = P(*spec, None) if layout.grid else P(spec[0] if len(spec) else None, None)
+    args, specs = [pos], [vector_spec]
+    if vel is not None:
+        if tuple(vel.shape) != tuple(pos.shape):
+            raise ValueError(f"vel must have the shape of pos {pos.shape}, got {vel.shape}")
+        args.append(vel)
+        specs.append(vector_spec)
+    if ids is not None:
+        args.append(ids)
+        specs.append(spec)
+    mass_kind, static_mass = "static", 1.0
+    if mass is not None:
+        if isinstance(mass, (int, float, np.number)) or (not isinstance(mass, jax.core.Tracer)
+                                                          and np.ndim(mass) == 0):
+            static_mass = float(mass)
+        elif np.ndim(mass) == 0:
+            mass_kind = "scalar"
+            args.append(jnp.asarray(mass, pos.dtype))
+            specs.append(P())
+        else:
+            if tuple(mass.shape) != tuple(pos.shape[:-1]):
+                raise ValueError(f"mass must be a scalar or of shape {pos.shape[:-1]}, "
+                                 f"got {mass.shape}")
+            mass_kind = "rows"
+            args.append(mass)
+            specs.append(spec)
+    problem = Problem(layout, box_size, vel is not None, ids is not None, mass_kind, static_mass)
+    return problem, tuple(args), tuple(specs)
+
+
+def local_fields(problem: Problem, *blocks):
+    """Flatten one device's input blocks into row fields.
+
+    Returns ``(fields, block_shape)`` with ``fields`` holding ``pos`` (wrapped), ``id`` and,
+    when given, ``vel`` and ``mass`` (per row).
+    """
+    blocks = list(blocks)
+    pos = blocks.pop(0)
+    block_shape = pos.shape[:-1]
+    fields = {"pos": wrap(pos.reshape(-1, 3), problem.box_size)}
+    if problem.has_vel:
+        fields["vel"] = blocks.pop(0).reshape(-1, 3)
+    fields["id"] = (blocks.pop(0).reshape(-1).astype(int32) if problem.has_ids
+                    else _default_ids(problem, block_shape))
+    n = fields["pos"].shape[0]
+    if problem.mass_kind == "rows":
+        fields["mass"] = blocks.pop(0).reshape(-1).astype(pos.dtype)
+    elif problem.mass_kind == "scalar":
+        fields["mass"] = jnp.broadcast_to(blocks.pop(0), (n,))
+    return fields, block_shape
+
+
+def _default_ids(problem: Problem, block_shape):
+    pencils = problem.pencils
+    if len(block_shape) == 1:
+        n = block_shape[0]
+        return pencils.device_index() * n + jnp.arange(n, dtype=int32)
+    bx, by, nc = block_shape
+    i, j = pencils.coords()
+    ix = i * bx + jnp.arange(bx, dtype=int32)[:, None, None]
+    iy = j * by + jnp.arange(by, dtype=int32)[None, :, None]
+    iz = jnp.arange(nc, dtype=int32)[None, None, :]
+    return ((ix * nc + iy) * nc + iz).reshape(-1)
+
+
+def row_masses(problem: Problem, fields):
+    """Per-row masses after migration (the static mass when masses are uniform)."""
+    if "mass" in fields:
+        return fields["mass"]
+    return jnp.full(fields["pos"].shape[0], problem.static_mass, fields["pos"].dtype)

@@ -1,0 +1,82 @@
+"""Physical units for JaxPM's grid quantities.
+
+JaxPM works in grid units: a length of 1 is one cell of the particle-mesh grid, and time is
+the scale factor ``a``. With a box of side ``box_size`` in Mpc/h holding ``nc**3``
+particles on an ``nc**3`` grid, one cell is ``box_size / nc`` Mpc/h.
+
+Every function here is plain arithmetic: it accepts Python numbers, numpy arrays or jax
+arrays (also inside ``jit``), and never imports jaxpm or jax_cosmo.
+
+Constants:
+  RHO_CRIT: critical density today, ``3 H0^2 / (8 pi G)`` in h^2 Msun / Mpc^3. With
+    ``H0 = 100 h km/s/Mpc`` and ``G = 4.3009e-9 Mpc (km/s)^2 / Msun`` it is
+    ``3e4 / (8 pi 4.3009e-9) = 2.7754e11``; we use ``2.775e11``.
+  H0: the Hubble constant in km/s per Mpc/h, i.e. ``100``.
+"""
+
+from __future__ import annotations
+
+RHO_CRIT = 2.775e11  # h^2 Msun / Mpc^3
+H0 = 100.0  # km/s / (Mpc/h)
+
+__all__ = ["H0", "RHO_CRIT", "grid_to_mpc", "momentum_to_velocity", "particle_mass"]
+
+
+def particle_mass(omega_m, box_size, nc):
+    """Mass of one particle of an ``nc**3``-particle JaxPM run, in Msun/h.
+
+    Each particle carries the mean matter density times the volume of one cell::
+
+        m = Omega_m * rho_crit * (box_size / nc)**3
+
+    With ``rho_crit = 2.775e11 h^2 Msun/Mpc^3`` and ``box_size`` in Mpc/h, the cell volume
+    is in (Mpc/h)^3 and the two factors of h combine to Msun/h:
+    ``h^2 Msun/Mpc^3 * Mpc^3/h^3 = Msun/h``.
+
+    Args:
+      omega_m: matter density parameter today (``Omega_c + Omega_b`` in jax_cosmo).
+      box_size: box side in Mpc/h.
+      nc: particles per side (JaxPM puts one particle per grid cell).
+
+    Example: ``particle_mass(0.3, 64.0, 64) == 8.325e10`` Msun/h.
+    """
+    return omega_m * RHO_CRIT * (box_size / nc) ** 3
+
+
+def grid_to_mpc(x, box_size, nc):
+    """Convert a length (or position, or displacement) from grid cells to Mpc/h.
+
+    ``x_mpc = x * box_size / nc`` with ``box_size`` in Mpc/h.
+    """
+    return x * (box_size / nc)
+
+
+def momentum_to_velocity(p, a, box_size, nc):
+    """Peculiar velocity in km/s from JaxPM's momentum ``p`` (grid units) at scale factor ``a``.
+
+    JaxPM's ODE drifts the comoving position ``x`` (in grid cells) as::
+
+        dx/da = p / (a^3 E(a)),    E(a) = H(a) / H0.
+
+    The comoving position in Mpc/h is ``X = x * box_size / nc``, and ``da/dt = a H(a) =
+    a H0 E(a)``, so::
+
+        dX/dt = (box_size / nc) * dx/da * da/dt = (box_size / nc) * H0 * p / a^2.
+
+    The peculiar velocity is the proper velocity relative to the Hubble flow,
+    ``v = a dX/dt``::
+
+        v = H0 * (box_size / nc) * p / a     [km/s],
+
+    with ``H0 = 100 km/s per Mpc/h``. ``E(a)`` cancels, so no cosmology is needed.
+    For 1LPT (``p = a^2 f E d``, ``d`` the displacement in cells) this is the linear-theory
+    relation ``v = a H(a) f(a) Psi``, ``Psi = d * box_size / nc`` in Mpc/h.
+
+    Args:
+      p: momentum in grid units, e.g. ``particles.vel`` from
+        :func:`jaxpm_halos.from_jaxpm`, or ``y[1]`` of JaxPM's diffrax state.
+      a: scale factor of the snapshot (scalar, or broadcastable to ``p``).
+      box_size: box side in Mpc/h.
+      nc: grid cells per side.
+    """
+    return p * (H0 * box_size / nc) / a
