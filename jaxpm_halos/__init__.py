@@ -20,3 +20,8 @@ from ._catalogue import Catalogue  # noqa: E402
 from ._fof import fof, fof_local  # noqa: E402
 
 __all__ += ["Catalogue", "fof", "fof_local"]
+
+from . import units  # noqa: E402
+from ._jaxpm import from_jaxpm  # noqa: E402
+
+__all__ += ["from_jaxpm", "units"]
