@@ -299,3 +299,25 @@ def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: in
     ext = Extended(values["pos"], values["image"], jnp.where(values["valid"], values["id"], -1),
                    values["valid"], owned)
     return ext, Ghosts(tuple(sends)), need
+
+
+class Decomposition(NamedTuple):
+    """One device's share of a snapshot: its migrated particles, plus ghosts of width ``width``.
+
+    Computed once per snapshot and shared by every analysis (FoF, kNN, user analyses).
+    ``ext`` rows ``[:capacity]`` are the owned rows of ``migrated`` in the same order.
+    """
+
+    migrated: Migrated
+    ext: Extended
+    ghosts: Ghosts
+    need_ghosts: jax.Array
+
+
+def decompose(pencils: Pencils, fields: dict, valid, width: float, transfer_rows: int,
+              capacity_rows: int, ghost_rows: int) -> Decomposition:
+    """:func:`migrate`, then :func:`build_ghosts` of the given width."""
+    migrated = migrate(pencils, fields, valid, transfer_rows, capacity_rows)
+    ext, ghosts, need = build_ghosts(pencils, migrated.payload["pos"], migrated.payload["id"],
+                                     migrated.valid, width, ghost_rows)
+    return Decomposition(migrated, ext, ghosts, need)

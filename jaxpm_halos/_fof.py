@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from ._catalogue import Catalogue, catalogue_rows
 from ._cells import CellGrid, compress, for_each_pair_chunk, half_shell_ranges, sort_cells, union
 from ._config import FoFConfig
-from ._domain import (Extended, Ghosts, build_ghosts, migrate, pmax_all, psum_all, return_trip,
+from ._domain import (Decomposition, Extended, Ghosts, decompose, pmax_all, psum_all, return_trip,
                       selection)
 from ._frontend import Problem, local_fields, prepare, row_masses
 from ._geometry import periodic_distance2, wrap
@@ -138,36 +138,52 @@ def _device_fof(pencils: Pencils, fields, valid, linking_length, min_members, co
                 n0: int, grid: bool):
     """FoF on one device's rows. Returns ``(migrated, labels, catalogue)``."""
     dom = config.domain
-    transfer = dom.transfer_rows(n0, grid)
-    capacity, ghost = dom.capacity_rows(n0), dom.ghost_rows(n0)
-    halo_rows = config.halo_rows(n0)
+    transfer, capacity, ghost = dom.transfer_rows(n0, grid), dom.capacity_rows(n0), dom.ghost_rows(n0)
     width = ghost_width(linking_length, pencils.box_size)
-    migrated = migrate(pencils, fields, valid, transfer, capacity)
-    owned = migrated.valid
-    payload = migrated.payload
-    ext, ghosts, need_ghosts = build_ghosts(pencils, payload["pos"], payload["id"], owned, width,
-                                            ghost)
-    component, segments, need_images, _ = local_components(ext, pencils, linking_length, width,
-                                                           ghost, config.chunk_size)
-    labels, _ = merge_labels(ext, ghosts, pencils, component, segments)
-    is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)
-    has_ghost = jax.ops.segment_max(is_ghost, component, num_segments=segments)
-    cat, num, need_halos = catalogue_rows(
-        pencils, pos=payload["pos"], vel=payload.get("vel"), mass=payload["mass"], ids=payload["id"],
-        owned=owned, component=component[:capacity], segments=segments,
-        labels=labels[:capacity], has_ghost=has_ghost, min_members=min_members,
-        halo_rows=halo_rows)
-    needs = {"transfer": migrated.need_transfer, "capacity": migrated.need_capacity,
-             "ghosts": jnp.maximum(need_ghosts, need_images), "halos": need_halos}
+    decomposition = decompose(pencils, fields, valid, width, transfer, capacity, ghost)
+    labels, catalogue = fof_on_decomposition(pencils, decomposition, linking_length, width,
+                                             min_members, config, n0)
     limits = (("transfer", Limit("DomainConfig.transfer_factor", transfer, n0)),
               ("capacity", Limit("DomainConfig.capacity_factor", capacity, n0)),
-              ("ghosts", Limit("DomainConfig.ghost_factor", ghost, n0)),
+              ("ghosts", Limit("DomainConfig.ghost_factor", ghost, n0)))
+    migrated = decomposition.migrated
+    needs = {"transfer": migrated.need_transfer, "capacity": migrated.need_capacity,
+             "ghosts": decomposition.need_ghosts}
+    domain_status = Status(pmax_all(pencils, needs), psum_all(pencils, migrated.nonfinite), limits)
+    catalogue = dataclasses.replace(catalogue, status=domain_status.merge(catalogue.status))
+    return migrated, labels, catalogue
+
+
+def fof_on_decomposition(pencils: Pencils, decomposition: Decomposition, linking_length: float,
+                         width: float, min_members: int, config: FoFConfig, n0: int):
+    """FoF labels of the owned rows and this device's catalogue, from a decomposition whose
+    ghost layer is at least ``width`` (:func:`ghost_width` of the linking length) wide.
+
+    The catalogue's status covers the buffers FoF adds (z images share the ghost knob).
+    """
+    ext, migrated = decomposition.ext, decomposition.migrated
+    capacity = ext.owned
+    dom = config.domain
+    ghost, halo_rows = dom.ghost_rows(n0), config.halo_rows(n0)
+    component, segments, need_images, _ = local_components(ext, pencils, linking_length, width,
+                                                           ghost, config.chunk_size)
+    labels, _ = merge_labels(ext, decomposition.ghosts, pencils, component, segments)
+    is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)
+    has_ghost = jax.ops.segment_max(is_ghost, component, num_segments=segments)
+    payload = migrated.payload
+    cat, num, need_halos = catalogue_rows(
+        pencils, pos=payload["pos"], vel=payload.get("vel"), mass=payload["mass"],
+        ids=payload["id"], owned=migrated.valid, component=component[:capacity],
+        segments=segments, labels=labels[:capacity], has_ghost=has_ghost,
+        min_members=min_members, halo_rows=halo_rows)
+    needs = {"z images": need_images, "halos": need_halos}
+    limits = (("z images", Limit("DomainConfig.ghost_factor", ghost, n0)),
               ("halos", Limit("FoFConfig.max_halos", halo_rows)))
-    status = Status(pmax_all(pencils, needs), psum_all(pencils, migrated.nonfinite), limits)
+    status = Status(pmax_all(pencils, needs), jnp.int32(0), limits)
     catalogue = Catalogue(id=cat["id"], count=cat["count"], mass=cat["mass"], pos=cat["pos"],
                           vel=cat.get("vel"), vel_disp=cat.get("vel_disp"), radius=cat["radius"],
                           num=num, status=status)
-    return migrated, labels[:capacity], catalogue
+    return labels[:capacity], catalogue
 
 
 def _linking_length(problem: Problem, linking_length, b) -> float:
