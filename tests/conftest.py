@@ -17,3 +17,14 @@ def make_mesh(shape, names=("x", "y")):
 @pytest.fixture(scope="session", params=MESH_SHAPES + [(1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def mesh(request):
     return make_mesh(request.param)
+
+
+@pytest.fixture(scope="session")
+def jaxpm_snapshot_32():
+    """A real 32^3 JaxPM run in a 32 Mpc/h box (10 steps to z=0) on a (2, 4) mesh.
+
+    Computed once per session and cached on disk (see tests/snapshots.py).
+    """
+    from snapshots import jaxpm_snapshot
+
+    return jaxpm_snapshot(32, 32.0, 10)

@@ -1,0 +1,135 @@
+"""Real JaxPM snapshots for tests and benchmarks, cached on disk.
+
+A snapshot is the final state of a distributed JaxPM run (2LPT at a = 0.1, then PM steps to
+a = 1 with diffrax's LeapfrogMidpoint; see :func:`jaxpm_halos.demo.run_simulation`) on a
+``(2, 4)`` mesh of 8 host CPU devices. The first call for a given (nc, box, steps, seed,
+mesh) runs the simulation and stores ``disp`` and ``mom`` as ``.npz`` under the cache
+folder; later calls (and later pytest sessions) load it.
+
+The cache folder is ``$JAXPM_HALOS_CACHE`` if set, else ``benchmarks/cache/`` in the
+repository (git-ignored).
+
+Command line (e.g. for the benchmark snapshots)::
+
+    python tests/snapshots.py --nc 64 --box 64 --steps 20
+    python tests/snapshots.py --nc 128 --box 128 --steps 20
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import conftest  # noqa: F401  (sets XLA_FLAGS for 8 host devices before jax starts)
+import jax
+import numpy as np
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+CACHE_VERSION = 1  # bump when the simulation recipe changes
+DEFAULT_CACHE = Path(__file__).resolve().parent.parent / "benchmarks" / "cache"
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """The final state of a JaxPM run.
+
+    Attributes:
+      disp: numpy ``(nc, nc, nc, 3)`` float32 displacement in grid cells from the lattice
+        point (unwrapped), as JaxPM's ``y[0]``.
+      mom: numpy ``(nc, nc, nc, 3)`` float32 momentum in grid units, as JaxPM's ``y[1]``.
+      disp_sharded, mom_sharded: the same, as jax arrays sharded ``P("x", "y")`` over ``mesh``.
+      mesh: the ``(2, 4)`` Auto-axis mesh of the run.
+      nc, box_size, steps, seed, a, omega_m, halo_size: the run's parameters.
+      seconds: wall time to produce the snapshot (simulation or cache load).
+      cached: whether it came from the disk cache.
+    """
+
+    disp: np.ndarray
+    mom: np.ndarray
+    disp_sharded: jax.Array
+    mom_sharded: jax.Array
+    mesh: object
+    nc: int
+    box_size: float
+    steps: int
+    seed: int
+    a: float
+    omega_m: float
+    halo_size: int
+    seconds: float
+    cached: bool
+
+    @property
+    def sharding(self) -> NamedSharding:
+        return self.disp_sharded.sharding
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXPM_HALOS_CACHE", DEFAULT_CACHE))
+
+
+def cache_path(nc, box, steps, seed, mesh_shape) -> Path:
+    px, py = mesh_shape
+    return cache_dir() / (f"jaxpm_nc{nc}_box{box:g}_steps{steps}_seed{seed}_mesh{px}x{py}"
+                          f"_v{CACHE_VERSION}.npz")
+
+
+def jaxpm_snapshot(nc: int, box: float, steps: int, seed: int = 0, mesh_shape=(2, 4),
+                   use_cache: bool = True) -> Snapshot:
+    """The z = 0 state of a distributed JaxPM run, from the disk cache when available.
+
+    JaxPM draws a different random field on a different mesh, so the mesh is part of the
+    cache key.
+    """
+    t = time.perf_counter()
+    mesh = make_mesh(tuple(mesh_shape))
+    sharding = NamedSharding(mesh, P(*mesh.axis_names))
+    path = cache_path(nc, float(box), steps, seed, mesh_shape)
+    if use_cache and path.exists():
+        with np.load(path) as f:
+            disp, mom = f["disp"], f["mom"]
+            a, omega_m, halo_size = float(f["a"]), float(f["omega_m"]), int(f["halo_size"])
+        cached = True
+    else:
+        from jaxpm_halos.demo import run_simulation
+
+        result = run_simulation(nc, float(box), steps, mesh=mesh, seed=seed)
+        disp, mom = np.asarray(result.state[0]), np.asarray(result.state[1])
+        a, omega_m, halo_size = result.a_final, result.omega_m, result.halo_size
+        cached = False
+        if use_cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+            np.savez(tmp, disp=disp, mom=mom, a=a, omega_m=omega_m, halo_size=halo_size)
+            os.replace(tmp, path)
+    return Snapshot(disp=disp, mom=mom, disp_sharded=jax.device_put(disp, sharding),
+                    mom_sharded=jax.device_put(mom, sharding), mesh=mesh, nc=nc,
+                    box_size=float(box), steps=steps, seed=seed, a=a, omega_m=omega_m,
+                    halo_size=halo_size, seconds=time.perf_counter() - t, cached=cached)
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(description="make (or load) a cached JaxPM snapshot")
+    parser.add_argument("--nc", type=int, default=32)
+    parser.add_argument("--box", type=float, default=32.0)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="recompute even if cached")
+    args = parser.parse_args(argv)
+    if args.force:
+        cache_path(args.nc, args.box, args.steps, args.seed, (2, 4)).unlink(missing_ok=True)
+    snap = jaxpm_snapshot(args.nc, args.box, args.steps, args.seed)
+    print(f"{cache_path(args.nc, args.box, args.steps, args.seed, (2, 4))}: "
+          f"{'loaded' if snap.cached else 'computed'} in {snap.seconds:.1f} s, "
+          f"halo_size {snap.halo_size}, |disp| max {np.abs(snap.disp).max():.2f} cells")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
