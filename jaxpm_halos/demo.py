@@ -197,20 +197,23 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
                             omega_m, halo_size, compile_s, run_s)
 
 
-def default_halo_size(nc: int, box: float, block: int, stray_mpc: float = 10.0) -> int:
+def default_halo_size(nc: int, box: float, block: int, stray_mpc: float = 20.0) -> int:
     """JaxPM ``halo_size`` (cells) for particles straying up to ``stray_mpc`` Mpc/h.
 
     JaxPM's painting pads each device's block by ``halo_size`` cells but exchanges only the
-    inner ``halo_size // 2`` of that padding with the neighbours, so mass that strays
-    farther than ``halo_size / 2`` from its lattice block is lost. By z=0 particles stray
-    up to ~7 Mpc/h (32^3 in 32 Mpc/h, 10 steps) or ~9.3 Mpc/h (64^3 in 64 Mpc/h, 20 steps).
+    inner ``halo_size // 2`` of that padding with the neighbours, so mass deposited farther
+    than ``halo_size / 2`` from its lattice block is lost. By z=0 particles stray up to
+    ~7 Mpc/h (32^3 in 32 Mpc/h), ~10 Mpc/h (64^3 in 64 Mpc/h) and ~16 Mpc/h (64^3 in
+    128 Mpc/h) from their block on a (2, 4) mesh; larger boxes have larger bulk flows.
     The default is ``2 * ceil(stray_mpc / cell) + 4`` cells, capped at twice the smallest
     block side ``block`` (the exchange cannot reach past the neighbour).
 
-    Measured against single-device runs from the same initial field on a (2, 4) mesh:
-    at 64^3 in 64 Mpc/h, ``halo_size`` 16 leaves 0.8% of the particles off by more than
-    1e-3 cells (at most 0.93), 24 leaves one particle; at 32^3 in 32 Mpc/h, 16 (the cap)
-    agrees to 1e-5 cells while 8 is off by up to 1.5 cells.
+    Measured against single-device runs from the same initial field on a (2, 4) mesh
+    (max |difference| of the final displacements): 32^3 in 32 Mpc/h, 10 steps: 1.5 cells
+    with ``halo_size`` 8, 1e-5 with 16 (the cap); 64^3 in 64 Mpc/h, 5 steps: 0.44 cells
+    with 16, 5e-5 with 24 or 32; 64^3 in 128 Mpc/h, 20 steps: 0.38 cells with 8, 1e-5 with 14.
+    Over 20 steps at 64^3 in 64 Mpc/h, rounding differences alone grow to ~0.1 cells for a
+    few particles (leapfrog on a chaotic system).
     """
     cells = 2 * math.ceil(stray_mpc * nc / box) + 4
     return max(2, min(cells, 2 * block))
@@ -341,7 +344,7 @@ def main(argv=None) -> int:
 
 
 def _fmt(values):
-    return "(" + ", ".join(f"{v:.3f}" for v in values) + ")"
+    return "(" + ", ".join(f"{v:.7g}" for v in values) + ")"
 
 
 if __name__ == "__main__":
