@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._domain import route, selection
+from ._domain import pmax_all, route, route_needs, selection
 from ._geometry import periodic_delta, wrap
 from ._layout import Pencils
 from ._status import Status
@@ -107,12 +107,14 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, component, s
     payload["anchor"] = jnp.take(anchor, rows, axis=0, mode="fill", fill_value=0)
 
     ndev = pencils.num_devices
-    home = lambda p: ((p["label"] % ndev) // pencils.py, (p["label"] % ndev) % pencils.py)
-    routed, n_routed, need_pair, need_routed = route(
-        pencils, payload, jnp.arange(halo_rows) < n_rows, home, halo_rows, halo_rows, halo_rows)
+    home = lambda label: ((label % ndev) // pencils.py, (label % ndev) % pencils.py)
+    need_pair, need_routed = route_needs(pencils, *home(jnp.where(report, label, 0)), report)
+    routed, n_routed = route(pencils, payload, jnp.arange(halo_rows) < n_rows,
+                             lambda p: home(p["label"]), halo_rows, halo_rows, halo_rows)
     fields, num = _combine(routed, n_routed, box, min_members, halo_rows)
-    need = jnp.maximum(jnp.maximum(n_rows, need_pair), jnp.maximum(need_routed, num))
-    return fields, jnp.minimum(num, halo_rows), need
+    # Once the routed rows fit, the halos (at most one per routed row) fit too.
+    need = jnp.maximum(pmax_all(pencils, n_rows), jnp.maximum(need_pair, need_routed))
+    return fields, num, need
 
 
 def _combine(rows, n, box, min_members, halo_rows):

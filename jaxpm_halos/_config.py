@@ -27,12 +27,18 @@ class DomainConfig:
         never sends more than the ``n0`` rows it has in the first stage).
       ghost_factor: rows for the ghost copies sent through one domain face, in units of
         ``n0``. Ghost layers are as wide as the analysis needs (the linking length for FoF,
-        the k-th neighbour distance for kNN).
+        the k-th neighbour distance for kNN). ``None`` sizes them from the layer's width
+        ``f`` as a fraction of the narrower pencil side: ``2 f (1 + 2 f) + 0.05``, twice the
+        mean share of a face layer with its corners.
+      image_factor: rows for the periodic images along z (z is never cut, so rows within
+        the layer width of z = 0 and z = L are copied locally), per side, in units of
+        ``n0``. ``None`` sizes them like the ghosts, from the width as a fraction of the box.
     """
 
     capacity_factor: float = 2.0
     transfer_factor: float | None = None
-    ghost_factor: float = 0.5
+    ghost_factor: float | None = None
+    image_factor: float | None = None
 
     def capacity_rows(self, n0: int) -> int:
         return _rows(self.capacity_factor, n0)
@@ -45,8 +51,21 @@ class DomainConfig:
     def transfer_rows(self, n0: int, grid: bool) -> int:
         return _rows(self.transfer(grid), n0)
 
-    def ghost_rows(self, n0: int) -> int:
-        return _rows(self.ghost_factor, n0)
+    def ghost(self, width_fraction: float) -> float:
+        if self.ghost_factor is not None:
+            return self.ghost_factor
+        return 2 * width_fraction * (1 + 2 * width_fraction) + 0.05
+
+    def ghost_rows(self, n0: int, width_fraction: float) -> int:
+        return _rows(self.ghost(width_fraction), n0)
+
+    def image(self, width_fraction: float, box_fraction: float) -> float:
+        if self.image_factor is not None:
+            return self.image_factor
+        return 2 * box_fraction * (1 + 4 * self.ghost(width_fraction)) + 0.05
+
+    def image_rows(self, n0: int, width_fraction: float, box_fraction: float) -> int:
+        return _rows(self.image(width_fraction, box_fraction), n0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,12 +72,11 @@ def psum_all(pencils: Pencils, value):
 def _exchange(axis, blocks, dest, valid, payload, pair_rows, out_rows):
     """One all-to-all stage: send each valid row to block ``dest`` along ``axis``.
 
-    Returns the new payload (``out_rows`` rows, valid rows first), its row count, the
-    largest number of rows sent to one device, and the rows that arrived plus stayed.
+    Returns the new payload (``out_rows`` rows, valid first) and its valid row count.
     """
     if axis is None:
         out, count = compact(valid, payload, out_rows)
-        return out, count, jnp.int32(0), count
+        return out, jnp.minimum(count, out_rows)
     n = valid.shape[0]
     me = lax.axis_index(axis)
     send = valid & (dest != me)
@@ -97,33 +96,44 @@ def _exchange(axis, blocks, dest, valid, payload, pair_rows, out_rows):
         return buf.reshape((blocks * pair_rows,) + a.shape[1:])
 
     received = jax.tree.map(send_leaf, payload)
-    arrived = lax.all_to_all(jnp.stack([jnp.minimum(counts, pair_rows), counts], 1), axis, 0, 0)
-    recv_valid = (jnp.arange(pair_rows)[None, :] < arrived[:, :1]).reshape(-1)
-    keep = valid & ~send
+    arrived = lax.all_to_all(jnp.minimum(counts, pair_rows)[:, None], axis, 0, 0)[:, 0]
+    recv_valid = (jnp.arange(pair_rows)[None, :] < arrived[:, None]).reshape(-1)
     merged = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), payload, received)
-    out, count = compact(jnp.concatenate([keep, recv_valid]), merged, out_rows)
-    wanted = jnp.sum(keep, dtype=int32) + jnp.sum(arrived[:, 1])
-    return out, jnp.minimum(count, out_rows), jnp.max(counts), wanted
+    out, count = compact(jnp.concatenate([valid & ~send, recv_valid]), merged, out_rows)
+    return out, jnp.minimum(count, out_rows)
 
 
 def route(pencils: Pencils, payload, valid, dest_fn: Callable, pair_rows: int, mid_rows: int,
           out_rows: int, order: str = "xy"):
-    """Send rows to the pencils ``dest_fn(payload) -> (i, j)`` in two all-to-all stages.
-
-    Returns ``(payload, count, need_pair, need_rows)``: the routed rows (``out_rows`` of
-    them, valid first), the number of valid rows, and the largest per-pair and per-device
-    row counts that were needed.
-    """
-    need_pair = need_rows = jnp.int32(0)
+    """Send rows to the pencils ``dest_fn(payload) -> (i, j)`` in two all-to-all stages
+    (along x then y, or the reverse). Returns the routed rows (``out_rows`` of them, valid
+    first) and their count. Size the buffers with :func:`route_needs`."""
     for stage, rows in zip(order, (mid_rows, out_rows)):
         di, dj = dest_fn(payload)
         axis, blocks, dest = ((pencils.x_axis, pencils.px, di) if stage == "x"
                               else (pencils.y_axis, pencils.py, dj))
-        payload, count, pair, wanted = _exchange(axis, blocks, dest, valid, payload, pair_rows, rows)
+        payload, count = _exchange(axis, blocks, dest, valid, payload, pair_rows, rows)
         valid = jnp.arange(rows) < count
-        need_pair = jnp.maximum(need_pair, pair)
-        need_rows = jnp.maximum(need_rows, wanted)
-    return payload, count, need_pair, need_rows
+    return payload, count
+
+
+def route_needs(pencils: Pencils, di, dj, valid):
+    """Exact buffer needs of an x-then-y :func:`route` of the rows ``valid`` to pencils
+    ``(di, dj)``, from a histogram of destinations, before anything moves.
+
+    Returns ``(pair, rows)``: the most rows one device sends to another in either stage,
+    and the most rows a device holds after either stage (both maxima over all devices),
+    so that buffers of these sizes never truncate.
+    """
+    px, py = pencils.px, pencils.py
+    i, j = pencils.coords()
+    hist = jnp.zeros((px, py), int32).at[di, dj].add(valid.astype(int32))
+    psum = lambda v, axis: lax.psum(v, axis) if axis else v
+    column = psum(hist, pencils.x_axis)  # rows of column j bound for each (i', j')
+    others = lambda counts, me: jnp.max(jnp.where(jnp.arange(counts.shape[0]) == me, 0, counts))
+    pair = jnp.maximum(others(hist.sum(1), i), others(column[i], j))
+    rows = jnp.maximum(column[i].sum(), psum(column, pencils.y_axis)[i, j])
+    return pmax_all(pencils, pair), pmax_all(pencils, rows)
 
 
 class Migrated(NamedTuple):
@@ -158,9 +168,9 @@ def migrate(pencils: Pencils, fields: dict, valid, transfer_rows: int, capacity_
     payload = dict(fields)
     payload["pos"] = jnp.where(valid[:, None], fields["pos"], 0)
     payload["origin"] = pencils.device_index() * n + jnp.arange(n, dtype=int32)
-    routed, count, need_pair, need_rows = route(
-        pencils, payload, valid, lambda p: pencils.block_of(p["pos"]),
-        transfer_rows, capacity_rows, capacity_rows)
+    need_pair, need_rows = route_needs(pencils, *pencils.block_of(payload["pos"]), valid)
+    routed, count = route(pencils, payload, valid, lambda p: pencils.block_of(p["pos"]),
+                          transfer_rows, capacity_rows, capacity_rows)
     routed["id"] = jnp.where(jnp.arange(capacity_rows) < count, routed["id"], -1)
     return Migrated(routed, count, need_pair, need_rows, nonfinite)
 
@@ -177,8 +187,8 @@ def return_trip(pencils: Pencils, values, origin, count, input_rows: int, transf
         device = p["origin"] // input_rows
         return device // pencils.py, device % pencils.py
 
-    routed, n_back, _, _ = route(pencils, {"v": values, "origin": origin}, valid, home,
-                                 transfer_rows, capacity_rows, input_rows, order="yx")
+    routed, n_back = route(pencils, {"v": values, "origin": origin}, valid, home,
+                           transfer_rows, capacity_rows, input_rows, order="yx")
     back = jnp.arange(input_rows) < n_back
     slot = jnp.where(back, routed["origin"] % input_rows, input_rows)
     return jax.tree.map(lambda a: jnp.zeros_like(a).at[slot].set(a, mode="drop"), routed["v"])
@@ -278,15 +288,28 @@ def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: in
     coords = pencils.coords()
     width = jnp.float32(width)
     owned = pos.shape[0]
-    image = jnp.zeros((owned, 2), int32)
-    values = {"pos": pos, "id": ids, "image": image, "valid": valid}
-    sends, need = [], jnp.int32(0)
+    values = {"pos": pos, "id": ids, "image": jnp.zeros((owned, 2), int32), "valid": valid}
+
+    def faces(dim, rows_valid, coord):
+        return rows_valid & (coord < lo[dim] + width), rows_valid & (coord >= hi[dim] - width)
+
+    def y_counts(mask):
+        down, up = faces(1, mask, values["pos"][:, 1])
+        return jnp.stack([jnp.sum(down, dtype=int32), jnp.sum(up, dtype=int32)])
+
+    sends = []
+    # Stage x also tells each receiver how many of the rows it was sent (before any
+    # truncation) it will pass on in stage y, so the need of stage y is exact too.
+    need = jnp.int32(0)
+    y_need = y_counts(valid)
     for dim, (axis, blocks) in enumerate(_stage_axes(pencils)):
-        coord = values["pos"][:, dim]
-        live = values["valid"]
-        low, n_low = selection(live & (coord < lo[dim] + width), ghost_rows)
-        high, n_high = selection(live & (coord >= hi[dim] - width), ghost_rows)
-        need = jnp.maximum(need, jnp.maximum(n_low, n_high))
+        to_low, to_high = faces(dim, values["valid"], values["pos"][:, dim])
+        low, n_low = selection(to_low, ghost_rows)
+        high, n_high = selection(to_high, ghost_rows)
+        if dim == 0:
+            (from_high_y, from_low_y) = _swap(axis, blocks, y_counts(to_low), y_counts(to_high))
+            y_need = y_need + from_high_y + from_low_y
+            need = jnp.maximum(n_low, n_high)
         from_high, from_low = _swap(axis, blocks, take(values, low), take(values, high))
         # Rows that crossed the periodic seam sit one box away in this device's frame.
         at_high_end = coords[dim] == blocks - 1
@@ -296,6 +319,7 @@ def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: in
         values = jax.tree.map(lambda a, b, c: jnp.concatenate([a, b, c]), values, from_low,
                               from_high)
         sends.append((low, high))
+    need = jnp.maximum(need, jnp.max(y_need))
     ext = Extended(values["pos"], values["image"], jnp.where(values["valid"], values["id"], -1),
                    values["valid"], owned)
     return ext, Ghosts(tuple(sends)), need

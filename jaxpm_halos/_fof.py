@@ -36,7 +36,7 @@ from ._domain import (Decomposition, Extended, Ghosts, decompose, pmax_all, psum
                       selection)
 from ._frontend import Problem, local_fields, prepare, row_masses
 from ._geometry import periodic_distance2, wrap
-from ._layout import Pencils
+from ._layout import Pencils, width_fraction
 from ._particles import Particles
 from ._status import Limit, Status, is_traced
 
@@ -138,8 +138,9 @@ def _device_fof(pencils: Pencils, fields, valid, linking_length, min_members, co
                 n0: int, grid: bool):
     """FoF on one device's rows. Returns ``(migrated, labels, catalogue)``."""
     dom = config.domain
-    transfer, capacity, ghost = dom.transfer_rows(n0, grid), dom.capacity_rows(n0), dom.ghost_rows(n0)
     width = ghost_width(linking_length, pencils.box_size)
+    transfer, capacity = dom.transfer_rows(n0, grid), dom.capacity_rows(n0)
+    ghost = dom.ghost_rows(n0, width_fraction(pencils, width))
     decomposition = decompose(pencils, fields, valid, width, transfer, capacity, ghost)
     labels, catalogue = fof_on_decomposition(pencils, decomposition, linking_length, width,
                                              min_members, config, n0)
@@ -159,14 +160,15 @@ def fof_on_decomposition(pencils: Pencils, decomposition: Decomposition, linking
     """FoF labels of the owned rows and this device's catalogue, from a decomposition whose
     ghost layer is at least ``width`` (:func:`ghost_width` of the linking length) wide.
 
-    The catalogue's status covers the buffers FoF adds (z images share the ghost knob).
+    The catalogue's status covers the buffers FoF adds (z images and halo rows).
     """
     ext, migrated = decomposition.ext, decomposition.migrated
     capacity = ext.owned
     dom = config.domain
-    ghost, halo_rows = dom.ghost_rows(n0), config.halo_rows(n0)
+    images = dom.image_rows(n0, width_fraction(pencils, width), width / pencils.box_size)
+    halo_rows = config.halo_rows(n0)
     component, segments, need_images, _ = local_components(ext, pencils, linking_length, width,
-                                                           ghost, config.chunk_size)
+                                                           images, config.chunk_size)
     labels, _ = merge_labels(ext, decomposition.ghosts, pencils, component, segments)
     is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)
     has_ghost = jax.ops.segment_max(is_ghost, component, num_segments=segments)
@@ -177,7 +179,7 @@ def fof_on_decomposition(pencils: Pencils, decomposition: Decomposition, linking
         segments=segments, labels=labels[:capacity], has_ghost=has_ghost,
         min_members=min_members, halo_rows=halo_rows)
     needs = {"z images": need_images, "halos": need_halos}
-    limits = (("z images", Limit("DomainConfig.ghost_factor", ghost, n0)),
+    limits = (("z images", Limit("DomainConfig.image_factor", images, n0)),
               ("halos", Limit("FoFConfig.max_halos", halo_rows)))
     status = Status(pmax_all(pencils, needs), jnp.int32(0), limits)
     catalogue = Catalogue(id=cat["id"], count=cat["count"], mass=cat["mass"], pos=cat["pos"],

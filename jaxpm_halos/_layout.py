@@ -65,6 +65,11 @@ class Pencils:
         return lo, hi
 
 
+def width_fraction(pencils: Pencils, width: float) -> float:
+    """A layer width as a fraction of the narrower pencil side (sizes ghost buffers)."""
+    return float(width) / min(pencils.widths)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a global particle array is laid out over devices.

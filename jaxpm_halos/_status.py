@@ -85,12 +85,14 @@ class Status:
         if nonfinite:
             return (f"jaxpm_halos: {nonfinite} particle positions are NaN or inf; they were "
                     "excluded. Clean the input (or mask those particles) and rerun.")
+        needs = {name: int(np.max(np.asarray(self.needed[name]))) for name, _ in self.limits}
         for position, (name, limit) in enumerate(self.limits):
-            needed = int(np.max(np.asarray(self.needed[name])))
-            if needed <= limit.rows:
+            if needs[name] <= limit.rows:
                 continue
+            # Buffers sharing a knob are resized together.
+            needed = max(needs[n] for n, other in self.limits if other.knob == limit.knob)
             config, field = limit.knob.split(".")
-            text = (f"jaxpm_halos: buffer '{name}' overflowed: {needed} rows were needed per "
+            text = (f"jaxpm_halos: buffer '{name}' overflowed: {needs[name]} rows were needed per "
                     f"device but {limit.knob} gives {limit.rows}. Rerun with "
                     f"{config}({field}={limit.suggest(needed)}).")
             if position + 1 < len(self.limits):

@@ -1,0 +1,302 @@
+"""FoF: exact against scipy on adversarial layouts, on every mesh; catalogue against numpy."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxpm_halos as jh
+import reference as ref
+from conftest import make_mesh
+
+BOX = 16.0
+N = 4096
+L_LINK = 0.2 * BOX / N ** (1 / 3)
+MIN_MEMBERS = 10
+# Clumps sit on every pencil face and on z = 0 on purpose, far above the clustering margin of the
+# automatic ghost buffers.
+FACES = jh.FoFConfig(domain=jh.DomainConfig(ghost_factor=1.0, image_factor=1.0))
+
+
+def _adversarial(seed=0):
+    """Clumps on box corners, faces and pencil edges/corners of every test mesh, exact
+    duplicates, coordinates equal to 0 and L, over a uniform background."""
+    rng = np.random.default_rng(seed)
+    edges = [0.0, BOX / 8, BOX / 4, BOX / 2, 3 * BOX / 4]
+    centres = [[x, y, z] for x in edges[::2] for y in edges for z in (0.0, BOX / 2)][:30]
+    centres += [[BOX, BOX, BOX], [BOX / 2, 0.0, BOX - 0.01]]
+    clumps = [np.asarray(c) + rng.normal(0, 0.15, (40, 3)) for c in centres]
+    background = rng.uniform(0, BOX, (N - 40 * len(centres) - 40, 3))
+    special = np.zeros((40, 3))
+    special[:8] = 0.0
+    special[8:16] = BOX
+    special[16:24] = [BOX, 0.0, BOX / 2]
+    special[24:32] = background[0]
+    special[32:40] = rng.uniform(0, BOX, (8, 3))
+    pos = np.concatenate(clumps + [background, special]).astype(np.float32)
+    vel = rng.normal(3, 1, pos.shape).astype(np.float32)
+    mass = rng.uniform(0.5, 2, len(pos)).astype(np.float32)
+    return pos, vel, mass
+
+
+def _tie_free(make, link):
+    """First dataset from ``make(seed)`` with no pair distance ambiguously close to ``link``."""
+    for seed in range(20):
+        data = make(seed)
+        if ref.unambiguous_linking_length(data[0], BOX, link) == link:
+            return data
+    raise RuntimeError("no tie-free dataset")
+
+
+@pytest.fixture(scope="module")
+def adversarial():
+    pos, vel, mass = _tie_free(_adversarial, L_LINK)
+    labels = ref.fof_labels(pos, BOX, L_LINK)
+    return pos, vel, mass, labels, ref.catalogue(pos, BOX, labels, MIN_MEMBERS, vel, mass)
+
+
+def _shard(mesh, *arrays):
+    if mesh is None:
+        return arrays
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return tuple(jax.device_put(a, sharding) for a in arrays)
+
+
+def _assert_catalogue(got, want):
+    np.testing.assert_array_equal(got["id"], want["id"])
+    np.testing.assert_array_equal(got["count"], want["count"])
+    np.testing.assert_allclose(got["mass"], want["mass"], rtol=2e-6)
+    assert np.abs(ref.periodic_difference(got["pos"], want["pos"], BOX)).max() < 1e-4 * BOX
+    np.testing.assert_allclose(got["vel"], want["vel"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["vel_disp"], want["vel_disp"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["radius"], want["radius"], rtol=1e-4, atol=1e-5)
+
+
+_RESULTS = {}
+
+
+def test_labels_and_catalogue_match_scipy(adversarial, mesh):
+    pos, vel, mass, want_labels, want_cat = adversarial
+    assert len(want_cat["id"]) >= 20 and np.bincount(want_labels).max() >= 40
+    p, v, m = _shard(mesh, pos, vel, mass)
+    labels, cat = jh.fof(p, BOX, L_LINK, vel=v, mass=m, min_members=MIN_MEMBERS, config=FACES)
+    if mesh.size > 1:
+        assert labels.sharding.is_equivalent_to(p.sharding, 1)
+    np.testing.assert_array_equal(np.asarray(labels), want_labels)
+    got = cat.to_numpy()
+    _assert_catalogue(got, want_cat)
+    assert cat.id.shape[0] == mesh.size * jh.FoFConfig().halo_rows(N // mesh.size)
+    padding = np.asarray(cat.id) < 0
+    assert np.all(np.asarray(cat.count)[padding] == 0)
+    _RESULTS[tuple(mesh.shape.values())] = got
+
+
+def test_unsharded_numpy_input_and_mesh_invariance(adversarial):
+    pos, vel, mass, want_labels, want_cat = adversarial
+    labels, cat = jh.fof(pos, BOX, L_LINK, vel=vel, mass=mass, min_members=MIN_MEMBERS,
+                         config=FACES)
+    np.testing.assert_array_equal(np.asarray(labels), want_labels)
+    got = cat.to_numpy()
+    _assert_catalogue(got, want_cat)
+    for shape, other in _RESULTS.items():
+        np.testing.assert_array_equal(other["id"], got["id"], err_msg=str(shape))
+        np.testing.assert_array_equal(other["count"], got["count"], err_msg=str(shape))
+        np.testing.assert_allclose(other["pos"], got["pos"], atol=1e-5 * BOX, err_msg=str(shape))
+
+
+def _poisson_near_percolation(seed):
+    rng = np.random.default_rng(100 + seed)
+    return (rng.uniform(0, BOX, (N, 3)).astype(np.float32),)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (8, 1), (2, 4), (4, 2)])
+def test_percolating_group_spans_all_domains(shape):
+    link = 0.9 * BOX / N ** (1 / 3)
+    (pos,) = _tie_free(_poisson_near_percolation, link)
+    want = ref.fof_labels(pos, BOX, link)
+    sizes = np.bincount(want)
+    assert sizes.max() > N / 3, "the test needs a box-spanning group"
+    mesh = make_mesh(shape)
+    (p,) = _shard(mesh, pos)
+    labels, _ = jh.fof(p, BOX, link, min_members=MIN_MEMBERS, config=FACES)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+
+
+def test_jit_takes_mesh_from_traced_input(adversarial):
+    pos, _, _, want_labels, _ = adversarial
+    mesh = make_mesh((2, 4))
+    (p,) = _shard(mesh, pos)
+    labels, cat = jax.jit(lambda x: jh.fof(x, BOX, L_LINK, min_members=MIN_MEMBERS,
+                                           config=FACES))(p)
+    np.testing.assert_array_equal(np.asarray(labels), want_labels)
+    assert bool(cat.status.ok)
+
+
+def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
+    rng = np.random.default_rng(3)
+    box, n = 8.0, 1024
+    centres = rng.uniform(1, box - 1, (4, 3))
+    centres[0] = [box / 2, box / 2, 0.05]
+    pts = [rng.uniform(0, box, (n // 2, 3))] + [c + rng.normal(0, 0.1, (n // 8, 3)) for c in centres]
+    pos = np.mod(np.concatenate(pts)[:n], box).astype(np.float32)
+    vel = rng.normal(0, 1, (n, 3)).astype(np.float32)
+    link = ref.unambiguous_linking_length(pos, box, 0.2 * box / n ** (1 / 3))
+    mesh = make_mesh((2, 4))
+    p0, v0 = _shard(mesh, pos, vel)
+    rows = 8 * jh.FoFConfig().halo_rows(n // 8)
+    weights = jnp.asarray(rng.normal(size=(rows, 3)).astype(np.float32))
+
+    def objective(p, v, which):
+        _, cat = jh.fof(p, box, link, vel=v, min_members=20, mesh=mesh)
+        valid = (cat.id >= 0)[:, None]
+        return jnp.sum(jnp.where(valid, getattr(cat, which) * weights, 0))
+
+    grad_p = np.asarray(jax.jit(jax.grad(lambda p: objective(p, v0, "pos")))(p0))
+    grad_v = np.asarray(jax.jit(jax.grad(lambda v: objective(p0, v, "vel")))(v0))
+    f = jax.jit(objective, static_argnums=2)
+    labels = ref.fof_labels(pos, box, link)
+    in_halo = np.nonzero(np.bincount(labels, minlength=n)[labels] >= 20)[0]
+    assert len(in_halo) > 100
+    outside = np.setdiff1d(np.arange(n), in_halo)
+    assert np.all(grad_p[outside] == 0) and np.all(grad_v[outside] == 0)
+    checked = 0
+    for i in in_halo[::40]:
+        for d in range(3):
+            step = np.zeros_like(pos)
+            step[i, d] = 0.1
+            fdv = (f(p0, *_shard(mesh, vel + step), "vel")
+                   - f(p0, *_shard(mesh, vel - step), "vel")) / 0.2
+            np.testing.assert_allclose(grad_v[i, d], fdv, rtol=0.02, atol=2e-4)
+            step[i, d] = 1e-2
+            if not (np.array_equal(ref.fof_labels(pos + step, box, link), labels)
+                    and np.array_equal(ref.fof_labels(pos - step, box, link), labels)):
+                continue  # the step changed membership
+            fd = (f(*_shard(mesh, pos + step), v0, "pos")
+                  - f(*_shard(mesh, pos - step), v0, "pos")) / 2e-2
+            np.testing.assert_allclose(grad_p[i, d], fd, rtol=0.05, atol=5e-4)
+            checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("knob", ["transfer_factor", "capacity_factor", "ghost_factor",
+                                  "image_factor", "max_halos"])
+def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
+    pos, _, _, want_labels, _ = adversarial
+    mesh = make_mesh((2, 4))
+    (p,) = _shard(mesh, pos)
+    tiny = {"transfer_factor": 0.01, "capacity_factor": 0.5, "ghost_factor": 0.001,
+            "image_factor": 0.001, "max_halos": 2}
+    field = "max_halos" if knob == "max_halos" else knob
+    def config_with(value):
+        if knob == "max_halos":
+            return dataclasses.replace(FACES, max_halos=value)
+        return dataclasses.replace(FACES, domain=dataclasses.replace(FACES.domain, **{knob: value}))
+
+    config = config_with(tiny[knob])
+    with pytest.raises(jh.CapacityError, match=field) as info:
+        jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config)
+    value = re.search(rf"{field}=([0-9.]+)", str(info.value)).group(1)
+    value = int(value) if knob == "max_halos" else float(value)
+    labels, cat = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config_with(value))
+    np.testing.assert_array_equal(np.asarray(labels), want_labels)
+
+
+def test_inside_jit_the_overflow_is_a_flag(adversarial):
+    pos, _, _, _, _ = adversarial
+    mesh = make_mesh((2, 4))
+    (p,) = _shard(mesh, pos)
+    config = jh.FoFConfig(max_halos=2)
+    _, cat = jax.jit(lambda x: jh.fof(x, BOX, L_LINK, min_members=MIN_MEMBERS, config=config))(p)
+    assert not bool(cat.status.ok)
+    assert int(cat.status.needed["halos"]) > 2
+
+
+def test_non_finite_positions_are_reported_and_excluded(adversarial):
+    pos, _, _, _, _ = adversarial
+    bad = pos.copy()
+    bad[7] = np.nan
+    bad[9, 1] = np.inf
+    with pytest.raises(jh.InvalidInputError, match="2 particle positions"):
+        jh.fof(bad, BOX, L_LINK, min_members=MIN_MEMBERS)
+    labels, cat = jax.jit(lambda x: jh.fof(x, BOX, L_LINK, min_members=MIN_MEMBERS))(bad)
+    assert int(cat.status.nonfinite) == 2
+    keep = np.ones(N, bool)
+    keep[[7, 9]] = False
+    want = ref.fof_labels(pos[keep], BOX, L_LINK)
+    got = np.asarray(labels)[keep]
+    # Labels are input indices: map the reference's compacted indices back.
+    np.testing.assert_array_equal(got, np.nonzero(keep)[0][want])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(linking_length=0.0), "positive"),
+    (dict(linking_length=-1.0), "positive"),
+    (dict(linking_length=0.2, min_members=0), "min_members"),
+    (dict(linking_length=0.2, b=0.2), "exactly one"),
+    (dict(linking_length=3.0, mesh_shape=(1, 8)), "wider than a pencil"),
+])
+def test_bad_arguments_raise(adversarial, kwargs, message):
+    pos = adversarial[0]
+    mesh_shape = kwargs.pop("mesh_shape", None)
+    mesh = make_mesh(mesh_shape) if mesh_shape else None
+    with pytest.raises(ValueError, match=message):
+        jh.fof(pos, BOX, mesh=mesh, **kwargs)
+
+
+@pytest.mark.parametrize("pos, message", [
+    (np.zeros((10, 2), np.float32), "shape"),
+    (np.zeros((4, 4, 3, 3), np.float32), "shape"),
+    (np.zeros((10, 3), np.float32), "cannot be split"),
+])
+def test_bad_shapes_raise(pos, message):
+    mesh = make_mesh((2, 4)) if message == "cannot be split" else None
+    with pytest.raises(ValueError, match=message):
+        jh.fof(pos, BOX, 0.2, mesh=mesh)
+
+
+def test_bad_box_and_mesh_raise(adversarial):
+    pos = adversarial[0]
+    with pytest.raises(ValueError, match="box_size"):
+        jh.fof(pos, 0.0, 0.2)
+    mesh3 = jax.make_mesh((2, 2, 2), ("a", "b", "c"),
+                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    with pytest.raises(ValueError, match="at most two mesh axes"):
+        jh.fof(pos, BOX, 0.2, mesh=mesh3)
+    grid = jax.device_put(np.zeros((8, 8, 8, 3), np.float32),
+                          NamedSharding(make_mesh((2, 4)), P(None, None, "x")))
+    with pytest.raises(ValueError, match="first two axes"):
+        jh.fof(grid, BOX, 0.2)
+
+
+def test_local_api_inside_user_shard_map(adversarial):
+    pos, _, _, want_labels, want_cat = adversarial
+    mesh = make_mesh((4, 2), names=("row", "col"))
+    (p,) = _shard(mesh, pos)
+    spec = P(("row", "col"))
+
+    def program(config):
+        def step(block):
+            i = jax.lax.axis_index(("row", "col"))
+            n = block.shape[0]
+            parts = jh.Particles.create(block, BOX, id=i * n + jnp.arange(n))
+            domain, labels, cat = jh.fof_local(parts, L_LINK, axes=("row", "col"),
+                                               min_members=MIN_MEMBERS, config=config)
+            return domain.id, labels, cat.id, cat.num[None], cat.status.ok[None]
+
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=(spec,) * 5,
+                                     check_vma=False))
+
+    # Default buffers are too small for clumps on every face: the flag must say so.
+    assert not np.asarray(program(jh.FoFConfig())(p)[4]).any()
+    ids, labels, cat_id, num, ok = map(np.asarray, program(FACES)(p))
+    assert ok.all()
+    valid = ids >= 0
+    assert valid.sum() == N
+    np.testing.assert_array_equal(labels[valid], want_labels[ids[valid]])
+    rows = cat_id.reshape(8, -1)
+    got = np.sort(np.concatenate([r[:k] for r, k in zip(rows, num)]))
+    np.testing.assert_array_equal(got, want_cat["id"])
