@@ -86,3 +86,45 @@ class FoFConfig:
 
     def halo_rows(self, n0: int) -> int:
         return self.max_halos if self.max_halos is not None else max(1024, n0 // 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class KNNConfig:
+    """k-nearest-neighbour settings. None of them changes the results, only the cost, except
+    that a buffer that is too small is reported (see :class:`~jaxpm_halos.Status`).
+
+    Attributes:
+      ghost_width: width of the ghost layer around each pencil, in the unit of the
+        positions. ``None`` picks ``ghost_factor`` times the k-th neighbour distance of a
+        uniform density, capped at the pencil width. Particles whose k-th neighbour lies
+        farther than the ghost layer reaches are completed by a cross-device pass.
+      ghost_factor: see ``ghost_width``.
+      batch_size: queries searched together; each batch of spatially consecutive queries
+        shares one set of candidate rows.
+      chunk_size: candidates merged into the running k nearest per step.
+      group_size: batches processed side by side in one step (vectorised).
+      radius_factor: first-pass search radius relative to the estimate from the nearest
+        rows in key order. Queries whose k-th neighbour lies beyond the searched region are
+        searched again with their exact bound.
+      retry_factor: rows per pass of the second search, in units of ``n0`` (passes repeat
+        until every query is done, so this never overflows).
+      remote_factor: rows per device for queries whose search sphere leaves the ghost
+        layer (solved against every device's particles), in units of ``n0``; at least 32.
+      domain: the domain exchange buffers.
+    """
+
+    ghost_width: float | None = None
+    ghost_factor: float = 2.0
+    batch_size: int = 16
+    chunk_size: int = 256
+    group_size: int = 16
+    radius_factor: float = 1.0
+    retry_factor: float = 0.125
+    remote_factor: float = 1 / 64
+    domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
+
+    def retry_rows(self, n0: int) -> int:
+        return max(self.batch_size, _rows(self.retry_factor, n0))
+
+    def remote_rows(self, n0: int) -> int:
+        return max(32, _rows(self.remote_factor, n0))
