@@ -13,11 +13,30 @@ import jax.numpy as jnp
 def wrap(pos, box_size):
     """Wrap positions periodically into ``[0, box_size)``.
 
-    Values equal to ``box_size`` map to 0; float rounding of tiny negative values, which
-    would otherwise land on ``box_size`` exactly, is folded back too.
+    Values already in the box pass through bitwise unchanged, so wrapping is idempotent
+    whichever program evaluates it. Values equal to ``box_size`` map to 0, and so do values
+    whose wrapped image rounds up to ``box_size``.
     """
-    wrapped = pos - box_size * jnp.floor(pos / box_size)
-    return jnp.where(wrapped >= box_size, wrapped - box_size, wrapped)
+    general = pos - box_size * jnp.floor(pos / box_size)
+    general = jnp.where(general < 0, general + box_size, general)
+    general = jnp.where(general >= box_size, jnp.zeros_like(general), general)
+    return jnp.where((pos >= 0) & (pos < box_size), pos, general)
+
+
+def grid_to_box(x, nc: int, box_size: float):
+    """Grid-unit positions (lattice point plus displacement) to box units in ``[0, L)``.
+
+    Built only from operations with a single rounding each (adds of the integer ``nc``,
+    selects, one multiply) and nothing XLA could contract into a fused multiply-add, so
+    every program that calls it (``from_jaxpm``, the in-situ step) gets bitwise identical
+    positions.
+    """
+    for _ in range(2):
+        x = jnp.where(x < 0, x + nc, x)
+        x = jnp.where(x >= nc, x - nc, x)
+    x = wrap(x, nc)  # displacements beyond two boxes; a no-op otherwise
+    pos = x * jnp.asarray(box_size / nc, x.dtype)
+    return jnp.where(pos >= box_size, jnp.zeros_like(pos), pos)
 
 
 def periodic_delta(a, b, box_size):

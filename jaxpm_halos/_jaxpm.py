@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._geometry import wrap
+from ._geometry import grid_to_box
 from ._particles import Particles, _check_box_size
 
 
@@ -141,8 +141,7 @@ def _lattice_positions(disp, box_size):
     dtype = disp.dtype
     axes = [jax.lax.broadcasted_iota(jnp.int32, (nc, nc, nc), dim) for dim in range(3)]
     q = jnp.stack(axes, axis=-1).astype(dtype)
-    cells = wrap(q + disp, nc)  # in [0, nc): jnp.mod alone can return nc exactly
-    pos = wrap(cells * jnp.asarray(box_size / nc, dtype), box_size)
+    pos = grid_to_box(q + disp, nc, box_size)
     # The ids are a function of the lattice alone. Tie them to disp with a term that is
     # zero for every input (|d| < 0 is False even for NaN) so that XLA's sharding
     # propagation gives them disp's layout instead of replicating them.
