@@ -1,0 +1,262 @@
+"""HDF5 halo catalogue files, written from one process.
+
+One file per snapshot. The root holds one dataset per catalogue field (``id``, ``count``,
+``mass``, ``pos``, ``vel``, ``vel_disp``, ``radius``; the valid halos only, sorted by id),
+each with a ``unit`` attribute, and the root attributes describe the run:
+
+- ``box_size`` (Mpc/h), ``nc`` (particles per side), ``a`` (scale factor), ``redshift``,
+- ``linking_length`` (Mpc/h), ``b`` (in mean separations), ``min_members``,
+- ``num_halos``, ``format`` (``"jaxpm_halos.catalogue"``) and ``version``,
+- any extra attributes passed to :func:`write_catalogue`.
+
+The cosmology and the units are dicts, stored as the attributes of two empty groups,
+``/cosmology`` and ``/units``. :func:`load_catalogue` gives everything back as numpy arrays
+and Python scalars.
+
+Multi-host choice: **gather the valid catalogue, write one file from process 0.** The
+in-situ catalogue is padded per device (``max_halos`` rows each) and sharded over the
+devices of all processes. :func:`gather_catalogue` keeps each process's valid rows only
+(taken from the shards it holds), all-gathers those compact rows (a catalogue is small:
+thousands of rows where the particles are millions), drops blocks held twice (replicated
+shards) and sorts by id. Every process must call :func:`gather_catalogue` and
+:func:`write_catalogue` (they are collective when ``jax.process_count() > 1``); only
+process 0 opens the file. With one process it is a plain copy to host memory. One file per
+snapshot keeps the output independent of the number of hosts and devices, so a catalogue
+from a 2-host run is byte-for-byte comparable with a 1-host one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["FIELDS", "INSITU_UNITS", "LoadedCatalogue", "gather_catalogue", "load_catalogue",
+           "write_catalogue"]
+
+FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius")
+"""Catalogue fields, in file order (``vel`` and ``vel_disp`` may be absent)."""
+
+INSITU_UNITS = {
+    "id": "lattice index of the group's first particle", "count": "particles",
+    "mass": "Msun/h", "pos": "Mpc/h", "vel": "km/s", "vel_disp": "km/s", "radius": "Mpc/h",
+    "box_size": "Mpc/h", "linking_length": "Mpc/h",
+}
+"""Units of a catalogue from :class:`jaxpm_halos.InSitu` with ``omega_m`` given (without
+``omega_m``, ``mass`` counts particles)."""
+
+FORMAT, VERSION = "jaxpm_halos.catalogue", 1
+
+
+def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.ndarray]:
+    """The valid halos of a (padded, sharded) catalogue as numpy arrays on every process.
+
+    Args:
+      catalogue: a :class:`~jaxpm_halos.Catalogue` from :func:`jaxpm_halos.fof` or from
+        :class:`~jaxpm_halos.InSitu` (``outputs["fof"]["catalogue"]``), or a dict of numpy
+        arrays such as ``Catalogue.to_numpy()`` gives (returned as is).
+      snapshot: index of the snapshot for a catalogue stacked over snapshots (the output of
+        ``InSitu.saveat`` inside ``diffeqsolve``, whose leaves have a leading snapshot axis).
+
+    Returns:
+      ``{field: array}`` of the valid halos, sorted by id, the same on every process.
+
+    Collective: with several processes, every process must call it.
+    """
+    import jax
+
+    if isinstance(catalogue, Mapping):
+        return {k: np.asarray(v) for k, v in catalogue.items()}
+    leaves = {f: getattr(catalogue, f) for f in FIELDS if getattr(catalogue, f) is not None}
+    num = catalogue.num
+    stacked = np.ndim(num) == 2
+    if stacked and snapshot is None:
+        raise ValueError("the catalogue is stacked over snapshots: pass snapshot=i")
+    if not stacked and snapshot is not None:
+        raise ValueError("snapshot given, but the catalogue is not stacked over snapshots")
+    if all(_addressable(x) for x in (num, *leaves.values())):
+        pick = (lambda x: np.asarray(x)[snapshot]) if stacked else np.asarray
+        single = dataclasses.replace(catalogue, num=pick(num),
+                                     **{f: pick(x) for f, x in leaves.items()})
+        return single.to_numpy()
+
+    # Multi-process: compact this process's valid rows, all-gather them, dedupe blocks.
+    from jax.experimental import multihost_utils
+
+    ndev = num.shape[-1]
+    rows = leaves["id"].shape[-1] // ndev
+    counts = _local_blocks(num, 1, snapshot)
+    parts = {f: _local_blocks(x, rows, snapshot) for f, x in leaves.items()}
+    blocks = sorted(counts)
+    local = {f: [parts[f][k][:int(counts[k][0])] for k in blocks] for f in leaves}
+    local_block = np.concatenate(
+        [np.full(int(counts[k][0]), k, np.int32) for k in blocks] or [np.zeros(0, np.int32)])
+    n_local = local_block.shape[0]
+    n_all = np.asarray(multihost_utils.process_allgather(np.int32(n_local))).reshape(-1)
+    width = max(int(n_all.max()), 1)
+
+    def padded(arrays, trailing, dtype):
+        x = np.concatenate(arrays) if arrays else np.zeros((0,) + trailing, dtype)
+        out = np.zeros((width,) + x.shape[1:], x.dtype)
+        out[:n_local] = x
+        return out
+
+    gathered = multihost_utils.process_allgather(
+        {"block": padded([local_block], (), np.int32),
+         **{f: padded(local[f], x.shape[num.ndim:], x.dtype) for f, x in leaves.items()}},
+        tiled=False)
+    seen, keep = set(), {f: [] for f in leaves}
+    for p, n in enumerate(n_all):
+        block = np.asarray(gathered["block"][p][:n])
+        mine = np.isin(block, list(seen), invert=True)
+        seen.update(block.tolist())
+        for f in leaves:
+            keep[f].append(np.asarray(gathered[f][p][:n])[mine])
+    fields = {f: np.concatenate(v) for f, v in keep.items()}
+    order = np.argsort(fields["id"], kind="stable")
+    return {f: v[order] for f, v in fields.items()}
+
+
+def _addressable(x) -> bool:
+    return not hasattr(x, "is_fully_addressable") or x.is_fully_addressable
+
+
+def _bounds(sl: slice, size: int) -> tuple[int, int]:
+    start, stop, step = sl.indices(size)
+    if step != 1:
+        raise ValueError("unexpected strided shard")
+    return start, stop
+
+
+def _local_blocks(x, rows: int, snapshot: int | None) -> dict[int, np.ndarray]:
+    """``{k: rows of device block k}`` for the blocks this process holds a shard of."""
+    axis = 0 if snapshot is None else 1
+    out = {}
+    for shard in x.addressable_shards:
+        index = tuple(shard.index) + (slice(None),) * x.ndim
+        if snapshot is not None:
+            s0, s1 = _bounds(index[0], x.shape[0])
+            if not s0 <= snapshot < s1:
+                continue
+        for dim in range(axis + 1, x.ndim):
+            if _bounds(index[dim], x.shape[dim]) != (0, x.shape[dim]):
+                raise ValueError(f"catalogue leaf of shape {x.shape} is split along axis {dim}")
+        data = np.asarray(shard.data)
+        if snapshot is not None:
+            data = data[snapshot - s0]
+        start, stop = _bounds(index[axis], x.shape[axis])
+        for k in range(-(-start // rows), stop // rows):
+            if k not in out:
+                out[k] = data[k * rows - start:(k + 1) * rows - start]
+    return out
+
+
+def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
+                    cosmology: Mapping[str, Any], linking_length: float, b: float,
+                    min_members: int, units: Mapping[str, str] | None = None,
+                    snapshot: int | None = None, attrs: Mapping[str, Any] | None = None):
+    """Write one snapshot's halo catalogue to an HDF5 file (from process 0 only).
+
+    Args:
+      path: file to create (overwritten); its folder is created if needed.
+      catalogue: a :class:`~jaxpm_halos.Catalogue` (padded, sharded; see
+        :func:`gather_catalogue`, and ``snapshot`` for one stacked over snapshots) or the
+        dict of ``Catalogue.to_numpy()``.
+      box_size: box side (Mpc/h).
+      nc: particles per side.
+      a: scale factor of the snapshot.
+      cosmology: parameters as ``{name: number or str}``, e.g. ``Omega_c``, ``Omega_b``,
+        ``h``, ``sigma8``, ``n_s``.
+      linking_length: FoF linking length in the unit of positions (Mpc/h in situ).
+      b: the same in units of the mean interparticle separation ``box_size / nc``.
+      min_members: smallest group in the catalogue.
+      units: ``{field or attribute: unit}``; default :data:`INSITU_UNITS`.
+      snapshot: index into a catalogue stacked over snapshots.
+      attrs: extra root attributes (numbers, strings or arrays).
+
+    Returns:
+      ``path`` on process 0, None on the other processes. Collective when
+      ``jax.process_count() > 1``: every process must call it.
+    """
+    import jax
+
+    fields = gather_catalogue(catalogue, snapshot)
+    if jax.process_index() != 0:
+        return None
+    import h5py
+
+    units = dict(INSITU_UNITS if units is None else units)
+    root = {"format": FORMAT, "version": VERSION, "box_size": float(box_size), "nc": int(nc),
+            "a": float(a), "redshift": 1.0 / float(a) - 1.0,
+            "linking_length": float(linking_length), "b": float(b),
+            "min_members": int(min_members), "num_halos": int(fields["id"].shape[0])}
+    root.update({k: _attr(v) for k, v in (attrs or {}).items()})
+    path = os.fspath(path)
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with h5py.File(tmp, "w") as f:
+        for name in FIELDS:
+            if name in fields:
+                ds = f.create_dataset(name, data=fields[name])
+                if name in units:
+                    ds.attrs["unit"] = units[name]
+        f.attrs.update(root)
+        f.create_group("cosmology").attrs.update({k: _attr(v) for k, v in cosmology.items()})
+        f.create_group("units").attrs.update({k: str(v) for k, v in units.items()})
+    os.replace(tmp, path)
+    return path
+
+
+def _attr(value):
+    if isinstance(value, (str, bytes, bool, int, float)):
+        return value
+    value = np.asarray(value)
+    return value.item() if value.ndim == 0 else value
+
+
+@dataclasses.dataclass
+class LoadedCatalogue:
+    """A catalogue file read back by :func:`load_catalogue`.
+
+    Attributes:
+      fields: ``{field: numpy array}`` (valid halos, sorted by id).
+      attrs: the root attributes, plus ``"cosmology"`` and ``"units"`` as dicts.
+
+    ``cat["mass"]`` is ``cat.fields["mass"]``; ``len(cat)`` is the number of halos.
+    """
+
+    fields: dict
+    attrs: dict
+
+    def __getitem__(self, name):
+        return self.fields[name]
+
+    def __contains__(self, name):
+        return name in self.fields
+
+    def keys(self):
+        return self.fields.keys()
+
+    def __len__(self):
+        return int(self.fields["id"].shape[0])
+
+
+def load_catalogue(path) -> LoadedCatalogue:
+    """Read a file written by :func:`write_catalogue`."""
+    import h5py
+
+    def plain(attrs):
+        return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in attrs.items()}
+
+    with h5py.File(path, "r") as f:
+        if f.attrs.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a jaxpm_halos catalogue file")
+        fields = {name: f[name][()] for name in FIELDS if name in f}
+        attrs = plain(f.attrs)
+        attrs["cosmology"] = plain(f["cosmology"].attrs)
+        attrs["units"] = plain(f["units"].attrs)
+    return LoadedCatalogue(fields, attrs)

@@ -1,0 +1,258 @@
+"""Plots of a snapshot's halos: the mass function against a fit, and a density slice.
+
+Uses matplotlib with the Agg backend (files only, no display) and, for the theory curve,
+jax_cosmo's linear power spectrum. Neither is imported by ``import jaxpm_halos``.
+
+Mass function theory
+--------------------
+The linear variance in a top-hat sphere of comoving radius ``R`` (Mpc/h) holding mass
+``M = 4/3 pi R^3 rho_m`` (``rho_m = Omega_m rho_crit``, Msun/h per (Mpc/h)^3)::
+
+    sigma^2(M, a) = 1 / (2 pi^2) \\int dk k^2 P_lin(k, a) W^2(k R),
+    W(x) = 3 (sin x - x cos x) / x^3,
+
+with ``P_lin(k, a)`` from ``jax_cosmo.power.linear_matter_power`` (Eisenstein & Hu
+transfer function, normalised to the cosmology's ``sigma8``, grown to ``a``), integrated
+on 4096 log-spaced k from 1e-4 to 1e2 h/Mpc. Then::
+
+    dn/dlog10 M = ln(10) * f(sigma) * rho_m / M * |d ln sigma / d ln M|.
+
+Watson et al. 2013 (MNRAS 433, 1230), universal FoF fit (b = 0.2), their eq. 12::
+
+    f(sigma) = A [(beta / sigma)^alpha + 1] exp(-gamma / sigma^2),
+    A = 0.282, alpha = 2.163, beta = 1.406, gamma = 1.210,
+
+calibrated for -0.55 <= ln(1/sigma) <= 1.31, independent of redshift.
+
+Sheth & Tormen 1999 (MNRAS 308, 119), with ``nu = delta_c / sigma``, ``delta_c = 1.686``::
+
+    f(sigma) = A sqrt(2 a / pi) [1 + (a nu^2)^(-p)] nu exp(-a nu^2 / 2),
+    A = 0.3222, a = 0.707, p = 0.3.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import units
+
+__all__ = ["WATSON13_FOF", "SHETH_TORMEN", "linear_power", "mass_function_fit",
+           "measured_mass_function", "plot_density_slice", "plot_mass_function", "sigma_of_mass"]
+
+WATSON13_FOF = dict(A=0.282, alpha=2.163, beta=1.406, gamma=1.210)
+SHETH_TORMEN = dict(A=0.3222, a=0.707, p=0.3, delta_c=1.686)
+
+_COSMO_KEYS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
+
+
+def _cosmology(cosmology):
+    """A fresh jax_cosmo Cosmology from a Cosmology or a dict of its parameters."""
+    import jax_cosmo as jc
+
+    if isinstance(cosmology, Mapping):
+        params = {k: float(cosmology[k]) for k in _COSMO_KEYS if k in cosmology}
+        missing = [k for k in _COSMO_KEYS if k not in params]
+        defaults = jc.Planck15()
+        params.update({k: float(getattr(defaults, k)) for k in missing})
+        return jc.Cosmology(**params)
+    return jc.Cosmology(**{k: float(getattr(cosmology, k)) for k in _COSMO_KEYS})
+
+
+def linear_power(cosmology, k, a: float = 1.0) -> np.ndarray:
+    """Linear matter power ``P(k, a)`` in (Mpc/h)^3 at ``k`` in h/Mpc (jax_cosmo)."""
+    import warnings
+
+    import jax_cosmo as jc
+
+    with warnings.catch_warnings():
+        # jax_cosmo's growth ODE asks for int64 indices, which jax truncates to int32.
+        warnings.filterwarnings("ignore", "Explicitly requested dtype.*int64", UserWarning)
+        pk = jc.power.linear_matter_power(_cosmology(cosmology), np.asarray(k, np.float32),
+                                          a=float(a))
+    return np.asarray(pk, np.float64)
+
+
+def _omega_m(cosmology) -> float:
+    get = cosmology.get if isinstance(cosmology, Mapping) else lambda k: getattr(cosmology, k)
+    return float(get("Omega_c")) + float(get("Omega_b"))
+
+
+def sigma_of_mass(mass, cosmology, a: float = 1.0) -> np.ndarray:
+    """Linear rms overdensity in top-hat spheres of mass ``mass`` (Msun/h) at scale factor a."""
+    mass = np.asarray(mass, np.float64)
+    rho_m = _omega_m(cosmology) * units.RHO_CRIT
+    radius = np.cbrt(3 * mass / (4 * np.pi * rho_m))
+    lnk = np.linspace(np.log(1e-4), np.log(1e2), 4096)
+    k = np.exp(lnk)
+    pk = linear_power(cosmology, k, a)
+    x = k[None, :] * radius.reshape(-1, 1)
+    w = np.where(x > 1e-3, 3 * (np.sin(x) - x * np.cos(x)) / np.maximum(x, 1e-3) ** 3,
+                 1 - x * x / 10)
+    integrand = k ** 3 * pk * w * w / (2 * np.pi ** 2)  # d sigma^2 / d ln k
+    var = np.trapezoid(integrand, lnk, axis=1)
+    return np.sqrt(var).reshape(mass.shape)
+
+
+def mass_function_fit(mass, cosmology, a: float = 1.0, fit: str = "watson13") -> np.ndarray:
+    """``dn/dlog10 M`` in (Mpc/h)^-3 at masses ``mass`` (Msun/h) from ``fit``:
+    ``"watson13"`` (Watson et al. 2013 FoF) or ``"sheth_tormen"``."""
+    mass = np.asarray(mass, np.float64)
+    lnm = np.log(mass)
+    # d ln sigma / d ln M on a fine grid around the requested masses
+    grid = np.linspace(lnm.min() - 0.5, lnm.max() + 0.5, 400)
+    lnsig = np.log(sigma_of_mass(np.exp(grid), cosmology, a))
+    sigma = np.exp(np.interp(lnm, grid, lnsig))
+    dlns_dlnm = np.interp(lnm, grid, np.gradient(lnsig, grid))
+    if fit == "watson13":
+        p = WATSON13_FOF
+        f = p["A"] * ((p["beta"] / sigma) ** p["alpha"] + 1) * np.exp(-p["gamma"] / sigma ** 2)
+    elif fit == "sheth_tormen":
+        p = SHETH_TORMEN
+        nu = p["delta_c"] / sigma
+        f = (p["A"] * np.sqrt(2 * p["a"] / np.pi) * (1 + (p["a"] * nu * nu) ** (-p["p"]))
+             * nu * np.exp(-p["a"] * nu * nu / 2))
+    else:
+        raise ValueError(f"unknown fit {fit!r}; use 'watson13' or 'sheth_tormen'")
+    rho_m = _omega_m(cosmology) * units.RHO_CRIT
+    return math.log(10) * f * rho_m / mass * np.abs(dlns_dlnm)
+
+
+def measured_mass_function(mass, box_size: float, bins) -> dict:
+    """Binned ``dn/dlog10 M`` of halo masses in a periodic box of side ``box_size`` Mpc/h.
+
+    Returns ``{"edges", "centres" (geometric), "count", "dndlog10m", "error"}``, the
+    error being Poisson, ``sqrt(count) / (V dlog10M)``.
+    """
+    edges = np.asarray(bins, np.float64)
+    count, _ = np.histogram(np.asarray(mass, np.float64), edges)
+    width = np.diff(np.log10(edges))
+    volume = float(box_size) ** 3
+    return {"edges": edges, "centres": np.sqrt(edges[1:] * edges[:-1]), "count": count,
+            "dndlog10m": count / (volume * width), "error": np.sqrt(count) / (volume * width)}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0,
+                       particle_mass: float, min_members: int = 20, dex: float = 0.2,
+                       title: str | None = None) -> dict:
+    """Plot the halo mass function of one snapshot against the Watson et al. 2013 FoF fit
+    (and Sheth-Tormen), from jax_cosmo's linear power at scale factor ``a``.
+
+    Args:
+      path: PNG file to write.
+      mass: halo masses in Msun/h.
+      box_size: box side in Mpc/h.
+      cosmology: a jax_cosmo Cosmology or a dict of its parameters.
+      particle_mass: Msun/h per particle (marks the ``min_members`` and 100-particle limits).
+      dex: bin width in log10 M.
+
+    Returns the binned measurement (see :func:`measured_mass_function`) with the fits at the
+    bin centres (``"watson13"``, ``"sheth_tormen"``).
+    """
+    plt = _pyplot()
+    mass = np.asarray(mass, np.float64)
+    lo = math.log10(min_members * particle_mass)
+    hi = math.log10(mass.max()) if mass.size else lo + dex
+    edges = 10 ** (lo + dex * np.arange(int(math.ceil((hi - lo) / dex + 1e-9)) + 1))
+    meas = measured_mass_function(mass, box_size, edges)
+    curve_m = np.logspace(lo - 0.3, max(hi, lo + 1) + 0.5, 200)
+    watson = mass_function_fit(curve_m, cosmology, a, "watson13")
+    st = mass_function_fit(curve_m, cosmology, a, "sheth_tormen")
+    meas["watson13"] = np.interp(np.log(meas["centres"]), np.log(curve_m), watson)
+    meas["sheth_tormen"] = np.interp(np.log(meas["centres"]), np.log(curve_m), st)
+
+    fig, (ax, rat) = plt.subplots(2, 1, figsize=(6.4, 6.4), sharex=True,
+                                  gridspec_kw=dict(height_ratios=(3, 1), hspace=0.05))
+    ax.loglog(curve_m, watson, "k-", label="Watson et al. 2013 FoF fit")
+    ax.loglog(curve_m, st, "k--", lw=1, label="Sheth & Tormen 1999")
+    ok = meas["count"] > 0
+    ax.errorbar(meas["centres"][ok], meas["dndlog10m"][ok], yerr=meas["error"][ok], fmt="o",
+                color="C3", ms=4, capsize=2,
+                label=f"in-situ FoF, {mass.size} halos ($\\geq${min_members} particles)")
+    ratio = meas["dndlog10m"] / meas["watson13"]
+    rat.errorbar(meas["centres"][ok], ratio[ok], yerr=(meas["error"] / meas["watson13"])[ok],
+                 fmt="o", color="C3", ms=4, capsize=2)
+    rat.axhline(1, color="k", lw=1)
+    rat.set_xscale("log")
+    rat.set_ylim(0, 2)
+    for axis in (ax, rat):
+        axis.axvline(100 * particle_mass, color="0.6", ls=":", lw=1)
+    ax.text(100 * particle_mass, 0.02, " 100 particles", color="0.4", fontsize=8,
+            transform=ax.get_xaxis_transform())
+    ax.set_ylabel(r"$dn/d\log_{10}M$  [$(h^{-1}\mathrm{Mpc})^{-3}$]")
+    rat.set_ylabel("sim / Watson")
+    rat.set_xlabel(r"$M$  [$h^{-1}M_\odot$]")
+    floor = 0.3 / (box_size ** 3 * dex)
+    ax.set_ylim(floor, max(watson.max(), meas["dndlog10m"].max(initial=0)) * 2)
+    ax.set_xlim(curve_m[0], curve_m[-1])
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title(title or f"halo mass function, a = {a:.3g} (z = {1 / a - 1:.2f})", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return meas
+
+
+def plot_density_slice(path, pos, *, box_size: float, halo_pos=None, halo_mass=None,
+                       axis: int = 2, thickness: float | None = None, start: float = 0.0,
+                       bins: int = 128, max_halos: int | None = None,
+                       title: str | None = None) -> dict:
+    """Projected density of a slab, with the halos whose centres lie in it.
+
+    The slab holds the particles with ``start <= pos[:, axis] < start + thickness``
+    (periodic; default thickness ``box_size / 8``). The image is
+    ``log10(1 + delta)`` of their 2D histogram (``bins`` pixels per side), with ``delta``
+    relative to the slab's mean count per pixel. Halos are open circles of radius
+    proportional to ``M^(1/3)`` (the virial radius scaling).
+
+    Returns ``{"image", "halos_in_slab", "particles_in_slab"}``.
+    """
+    plt = _pyplot()
+    pos = np.asarray(pos, np.float64).reshape(-1, 3)
+    thickness = box_size / 8 if thickness is None else float(thickness)
+    others = [d for d in range(3) if d != axis]
+    in_slab = lambda p: np.mod(p[:, axis] - start, box_size) < thickness
+    slab = pos[in_slab(pos)]
+    hist, xe, ye = np.histogram2d(slab[:, others[0]], slab[:, others[1]], bins=bins,
+                                  range=[[0, box_size], [0, box_size]])
+    image = np.log10(hist / max(hist.mean(), 1e-30) + 1)
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    im = ax.imshow(image.T, origin="lower", extent=(0, box_size, 0, box_size), cmap="magma",
+                   interpolation="nearest")
+    fig.colorbar(im, ax=ax, label=r"$\log_{10}(1 + \Sigma/\bar\Sigma)$")
+    n_halos = 0
+    if halo_pos is not None and len(halo_pos):
+        hp = np.asarray(halo_pos, np.float64).reshape(-1, 3)
+        hm = np.ones(len(hp)) if halo_mass is None else np.asarray(halo_mass, np.float64)
+        sel = in_slab(hp)
+        hp, hm = hp[sel], hm[sel]
+        if max_halos is not None and len(hm) > max_halos:
+            top = np.argsort(hm)[::-1][:max_halos]
+            hp, hm = hp[top], hm[top]
+        n_halos = len(hm)
+        if n_halos:
+            size = 40 * (hm / hm.min()) ** (2 / 3)  # marker area ~ R^2 ~ M^(2/3)
+            ax.scatter(hp[:, others[0]], hp[:, others[1]], s=size, facecolors="none",
+                       edgecolors="cyan", linewidths=0.8,
+                       label=f"FoF halos in slab ({n_halos}), area $\\propto M^{{2/3}}$")
+            ax.legend(loc="upper right", fontsize=8, framealpha=0.6)
+    names = "xyz"
+    ax.set_xlabel(f"{names[others[0]]}  [Mpc/h]")
+    ax.set_ylabel(f"{names[others[1]]}  [Mpc/h]")
+    ax.set_xlim(0, box_size)
+    ax.set_ylim(0, box_size)
+    ax.set_title(title or f"{names[axis]} in [{start:g}, {start + thickness:g}) Mpc/h",
+                 fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return {"image": image, "halos_in_slab": n_halos, "particles_in_slab": len(slab)}
