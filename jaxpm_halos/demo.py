@@ -1,19 +1,27 @@
-"""A small distributed JaxPM run whose final state is handed to jaxpm_halos.
+"""The main job: a distributed JaxPM run with in-situ halo finding and kNN density.
 
 Run it with::
 
-    python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20] [--mesh 2,4] [--out halos_out]
+    python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20] [--snapshots 0.5,1.0]
+        [--mesh 2,4] [--b 0.2] [--min-members 20] [--k 16] [--out halos_out]
 
 On a machine with only a CPU, the run is spread over 8 XLA host devices (a ``(2, 4)``
-mesh) unless ``XLA_FLAGS`` already chooses a device count. The simulation follows JaxPM's
-distributed recipe: a linear field, 2LPT to ``a = 0.1``, then ``--steps`` PM steps to
-``a = 1`` with diffrax's ``LeapfrogMidpoint``. The final state goes through
-:func:`jaxpm_halos.from_jaxpm`, and the demo prints how the particles are laid out over the
-devices.
+mesh) unless ``XLA_FLAGS`` already chooses a device count; otherwise it uses all local
+devices. The simulation follows JaxPM's distributed recipe: a linear field, 2LPT to
+``a = 0.1``, then ``--steps`` PM steps with diffrax's ``LeapfrogMidpoint`` (with diffrax's
+text progress meter) to the last snapshot. At each snapshot, inside the jitted solve
+(``diffrax.SaveAt(ts=snapshots, fn=...)``), :class:`jaxpm_halos.extension.InSitu` runs FoF
+(``--b``, ``--min-members``) and the kNN density (``--k``) on the sharded state.
+
+At the end it prints, per snapshot, the number of halos, the largest masses (Msun/h), the
+median kNN density, and the time of the analyses against one PM step: the compiled solve
+is run again with the analyses switched off by a traced flag (``lax.cond``), and once per
+snapshot with them on at that snapshot only (``--timing``). It writes one HDF5 catalogue
+per snapshot (``halos_a1.0000.h5``, see :mod:`jaxpm_halos.io`), ``mass_function.png``
+(against the Watson et al. 2013 FoF fit) and ``density_slice.png`` to ``--out``.
 
 :func:`run_simulation` is the reusable part: in-situ analyses plug in as ``saveat_fn``,
-which diffrax evaluates inside the jitted solve at each requested scale factor
-(``diffrax.SaveAt(ts=snapshots, fn=saveat_fn)``).
+which diffrax evaluates inside the jitted solve at each requested scale factor.
 
 This module imports jaxpm, jaxdecomp, jax_cosmo and diffrax; ``import jaxpm_halos`` does not.
 """
@@ -21,8 +29,9 @@ This module imports jaxpm, jaxdecomp, jax_cosmo and diffrax; ``import jaxpm_halo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import json
+import io
 import math
 import os
 import sys
@@ -61,6 +70,8 @@ class SimulationResult:
       box_size, nc, omega_m: the run's parameters (``omega_m = Omega_c + Omega_b``).
         halo_size: JaxPM's painting halo, in cells.
       compile_s, run_s: seconds spent compiling and running the jitted simulation.
+      rerun: ``rerun(saveat_inputs) -> (state, saved, seconds)`` runs the compiled
+        simulation again (same seed and initial field) with other ``saveat_inputs``.
     """
 
     state: Any
@@ -75,13 +86,15 @@ class SimulationResult:
     halo_size: int
     compile_s: float
     run_s: float
+    rerun: Callable = dataclasses.field(default=None, repr=False)
 
 
 def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] = (), mesh=None,
                    saveat_fn: Callable | None = None, *, seed: int = 0, a_init: float = 0.1,
                    a_final: float = 1.0, omega_c: float = 0.25, sigma8: float = 0.8,
                    lpt_order: int = 2, halo_size: int | None = None,
-                   progress: bool = False, initial_field=None) -> SimulationResult:
+                   progress: bool = False, initial_field=None,
+                   saveat_inputs=None) -> SimulationResult:
     """Run a JaxPM particle-mesh simulation of ``nc**3`` particles in a box of side ``box`` Mpc/h.
 
     Initial conditions: a Gaussian linear field for ``jax_cosmo.Planck15(Omega_c=omega_c,
@@ -105,6 +118,10 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
       initial_field: optional ``(nc, nc, nc)`` linear density field to start from instead
         of drawing one from ``seed``. JaxPM draws different random numbers on different
         meshes, so this is how to compare runs on different meshes.
+      saveat_inputs: optional pytree of arrays passed to the jitted solve as arguments and
+        to ``saveat_fn`` as a fourth argument, ``saveat_fn(a, y, cosmo, saveat_inputs)``.
+        :meth:`SimulationResult.rerun` runs the same compiled program again with other
+        values (e.g. flags switching analyses on and off) without recompiling.
     """
     import diffrax
     import jax
@@ -133,7 +150,7 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
         raise ValueError(f"snapshots {snapshots} must lie in [{a_init}, {a_final}]")
     omega_m = omega_c + float(jc.Planck15().Omega_b)
 
-    def simulate(seed, initial_field):
+    def simulate(seed, initial_field, saveat_inputs):
         # Two Cosmology objects: jax_cosmo caches its background in the object, and sharing
         # one between the power spectrum and lpt fails (KeyError: 'h').
         k = jnp.logspace(-4, 1, 128)
@@ -152,7 +169,10 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
                                                halo_size=halo_size, sharding=sharding))
         subs = [diffrax.SubSaveAt(t1=True)]
         if snapshots:
-            subs.append(diffrax.SubSaveAt(ts=jnp.asarray(snapshots), fn=saveat_fn or _identity))
+            fn = saveat_fn or _identity
+            if saveat_inputs is not None:
+                fn = lambda t, y, args: saveat_fn(t, y, args, saveat_inputs)  # noqa: E731
+            subs.append(diffrax.SubSaveAt(ts=jnp.asarray(snapshots), fn=fn))
         sol = diffrax.diffeqsolve(
             ode, diffrax.LeapfrogMidpoint(), t0=a_init, t1=a_final, dt0=None,
             y0=jnp.stack([dx, p], axis=0), args=cosmo, saveat=diffrax.SaveAt(subs=subs),
@@ -186,15 +206,22 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
                 raise ValueError(f"initial_field must have shape {mesh_shape}")
             if sharding is not None:
                 initial_field = jax.device_put(initial_field, sharding)
-        compiled = jax.jit(simulate).lower(seed, initial_field).compile()
+        if saveat_inputs is not None and saveat_fn is None:
+            raise ValueError("saveat_inputs needs a saveat_fn")
+        compiled = jax.jit(simulate).lower(seed, initial_field, saveat_inputs).compile()
     compile_s = time.perf_counter() - t
-    t = time.perf_counter()
-    final, saved, ok = jax.block_until_ready(compiled(seed, initial_field))
-    run_s = time.perf_counter() - t
-    if not bool(ok):
-        raise RuntimeError("the diffrax solve did not finish successfully")
+
+    def rerun(inputs=saveat_inputs):
+        t = time.perf_counter()
+        final, saved, ok = jax.block_until_ready(compiled(seed, initial_field, inputs))
+        seconds = time.perf_counter() - t
+        if not bool(ok):
+            raise RuntimeError("the diffrax solve did not finish successfully")
+        return final, saved, seconds
+
+    final, saved, run_s = rerun()
     return SimulationResult(final, snapshots, saved, a_final, mesh, sharding, float(box), nc,
-                            omega_m, halo_size, compile_s, run_s)
+                            omega_m, halo_size, compile_s, run_s, rerun)
 
 
 def default_halo_size(nc: int, box: float, block: int, stray_mpc: float = 20.0) -> int:
@@ -272,25 +299,101 @@ def describe_layout(particles, a=None) -> dict:
         devices=blocks, outside_fraction=outside / total, max_stray_cells=stray)
 
 
+def demo_cosmology(omega_c: float = 0.25, sigma8: float = 0.8) -> dict:
+    """The parameters of ``jax_cosmo.Planck15(Omega_c=omega_c, sigma8=sigma8)``, the
+    cosmology of :func:`run_simulation`, as a dict of floats."""
+    import jax_cosmo as jc
+
+    cosmo = jc.Planck15(Omega_c=omega_c, sigma8=sigma8)
+    return {k: float(getattr(cosmo, k)) for k in
+            ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")}
+
+
+def switchable_saveat_fn(insitu, snapshots):
+    """``saveat_fn(a, y, cosmo, on)`` for :func:`run_simulation`: runs ``insitu(y, a)`` at
+    snapshot ``i`` when the traced flag ``on[i]`` is true, and returns zeros of the same
+    structure (skipping the analyses, through ``lax.cond``) when it is false.
+
+    The same compiled solve then runs with the analyses on or off, which is how the demo
+    times the analyses against the PM steps without compiling twice.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    ts = jnp.asarray(snapshots)
+
+    def fn(a, y, cosmo, on):
+        run = lambda: insitu(y, a)  # noqa: E731
+        shapes = jax.eval_shape(run)
+        off = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+        return jax.lax.cond(on[jnp.argmin(jnp.abs(ts - a))], run, off)
+
+    return fn
+
+
+def _host(x):
+    """A (possibly multi-process) global array as numpy on every process."""
+    import numpy as np
+
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxpm_halos.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxpm_halos.demo",
+        description="A distributed JaxPM run with in-situ FoF halo finding and kNN density "
+                    "(jaxpm_halos.InSitu inside diffrax's jitted solve). Writes one HDF5 halo "
+                    "catalogue per snapshot, a mass function plot and a density slice.")
     parser.add_argument("--nc", type=int, default=64, help="particles per side (default 64)")
     parser.add_argument("--box", type=float, default=128.0, help="box side in Mpc/h (default 128)")
-    parser.add_argument("--steps", type=int, default=20, help="PM steps from a=0.1 to 1 (default 20)")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="PM steps from a=0.1 to the last snapshot (default 20)")
+    parser.add_argument("--snapshots", default="0.5,1.0",
+                        help="scale factors of the in-situ snapshots; the run ends at the last "
+                             "(default 0.5,1.0)")
     parser.add_argument("--mesh", default=None,
                         help="device mesh 'px,py' (default: all devices, e.g. 2,4 for 8 CPU devices)")
+    parser.add_argument("--b", type=float, default=0.2,
+                        help="FoF linking length in mean particle separations (default 0.2)")
+    parser.add_argument("--min-members", type=int, default=20,
+                        help="smallest FoF group in the catalogues (default 20)")
+    parser.add_argument("--k", type=int, default=16, help="neighbours for the kNN density (default 16)")
+    parser.add_argument("--analyses", default="fof,knn_density",
+                        help="registered analyses to run in situ (default fof,knn_density)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timing", choices=("snapshot", "total", "none"), default="snapshot",
+                        help="time the analyses per snapshot (one more solve per snapshot), in "
+                             "total (one more solve), or not at all (default snapshot)")
     parser.add_argument("--out", default="halos_out",
-                        help="output folder for particles.h5 and layout.json (default halos_out)")
+                        help="output folder for the catalogues and plots (default halos_out)")
     args = parser.parse_args(argv)
+    try:
+        snapshots = sorted(float(v) for v in args.snapshots.split(","))
+    except ValueError:
+        parser.error(f"--snapshots must be comma-separated scale factors, got {args.snapshots!r}")
+    if not snapshots or snapshots[0] <= 0.1 or snapshots[-1] > 1.0:
+        parser.error(f"--snapshots must lie in (0.1, 1], got {args.snapshots}")
 
+    t_start = time.perf_counter()
     use_host_devices()
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import AxisType
 
     from . import from_jaxpm, units
+    from .extension import REGISTRY, InSitu, check
+    from .io import gather_catalogue, write_catalogue
 
+    analyses = tuple(a for a in args.analyses.split(",") if a)
+    if "knn_density" in analyses and "knn_density" not in REGISTRY:
+        print("note: the knn_density analysis is not registered in this version; running "
+              f"{[a for a in analyses if a != 'knn_density']}", flush=True)
+        analyses = tuple(a for a in analyses if a != "knn_density")
     devices = jax.devices()
     shape = (tuple(int(v) for v in args.mesh.split(",")) if args.mesh
              else default_mesh_shape(len(devices)))
@@ -298,53 +401,118 @@ def main(argv=None) -> int:
         parser.error(f"--mesh {shape} needs 2 axes and at most {len(devices)} devices")
     mesh = jax.make_mesh(shape, ("x", "y"), axis_types=(AxisType.Auto, AxisType.Auto),
                          devices=devices[:math.prod(shape)])
-    print(f"jaxpm_halos demo: {args.nc}^3 particles, box {args.box:g} Mpc/h, {args.steps} steps, "
-          f"mesh {dict(mesh.shape)} on {devices[0].platform} ({len(devices)} devices)", flush=True)
+    cosmology = demo_cosmology()
+    omega_m = cosmology["Omega_c"] + cosmology["Omega_b"]
+    mass = units.particle_mass(omega_m, args.box, args.nc)
+    insitu = InSitu(box_size=args.box, analyses=analyses, b=args.b, min_members=args.min_members,
+                    k=args.k, omega_m=omega_m, overdensity=True)
+    lead = jax.process_index() == 0
+    say = (lambda *a, **k: print(*a, **k, flush=True)) if lead else (lambda *a, **k: None)
+    say(f"jaxpm_halos demo: {args.nc}^3 particles ({mass:.3g} Msun/h each), box {args.box:g} "
+        f"Mpc/h, {args.steps} PM steps to a = {snapshots[-1]:g}, in-situ {list(analyses)} at "
+        f"a = {snapshots} (b = {args.b:g}, >= {args.min_members} members, k = {args.k}), mesh "
+        f"{dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
 
-    t0 = time.perf_counter()
-    result = run_simulation(args.nc, args.box, args.steps, mesh=mesh, seed=args.seed, progress=True)
-    print(f"compiled in {result.compile_s:.1f} s, ran {args.steps} steps in {result.run_s:.1f} s",
-          flush=True)
+    n_snap = len(snapshots)
+    say("compiling the solve with the analyses inside (diffrax SaveAt fn) ...")
+    result = run_simulation(args.nc, args.box, args.steps, snapshots, mesh=mesh,
+                            saveat_fn=switchable_saveat_fn(insitu, snapshots), seed=args.seed,
+                            a_final=snapshots[-1], progress=True,
+                            saveat_inputs=jnp.ones(n_snap, bool))
+    say(f"compiled in {result.compile_s:.1f} s; solve with in-situ analyses: {result.run_s:.2f} s")
+    saved = result.saved
+    check(saved)  # raises, naming the knob, if any buffer overflowed at any snapshot
 
-    mass = units.particle_mass(result.omega_m, args.box, args.nc)
-    particles = from_jaxpm(result.state, box_size=args.box, mass=mass)
-    layout = describe_layout(particles, a=result.a_final)
-    print(f"particles: {layout['particles']} (mass {mass:.4g} Msun/h), mesh {layout['mesh']}, "
-          f"sharding {layout['sharding']}")
-    print(f"position range: {_fmt(layout['pos_min'])} .. {_fmt(layout['pos_max'])} "
-          f"(box [0, {args.box:g}))")
-    for block in layout["devices"]:
-        print(f"  device {block['device']}: block {tuple(block['block'])}, lattice "
-              f"x{block['lattice'][0]} y{block['lattice'][1]}, "
-              f"{100 * block['outside_fraction']:.1f}% outside their lattice block")
-    print(f"outside their lattice block overall: {100 * layout['outside_fraction']:.1f}%, "
-          f"by at most {layout['max_stray_cells']:.2f} cells (JaxPM halo_size {result.halo_size})")
-    if 2 * layout["max_stray_cells"] > result.halo_size:
-        print("warning: particles stray farther than halo_size / 2: JaxPM's painting may have "
-              "missed mass near block edges; pass a larger halo_size")
+    # Timing: the same compiled program, with the analyses switched off by a traced flag.
+    t_snap = [None] * n_snap
+    t_off = None
+    if args.timing != "none":
+        say("timing: the same compiled solve with the analyses off"
+            + (" and with them on at each snapshot alone" if args.timing == "snapshot" else "")
+            + " ...")
+        with contextlib.redirect_stdout(io.StringIO()):  # no more progress meters
+            _, _, t_off = result.rerun(jnp.zeros(n_snap, bool))
+            if args.timing == "snapshot":
+                for i in range(n_snap):
+                    _, _, t_i = result.rerun(jnp.arange(n_snap) == i)
+                    t_snap[i] = t_i - t_off
+        if args.timing == "total":
+            t_snap = [(result.run_s - t_off) / n_snap] * n_snap
 
-    if args.out:
-        import h5py
-
+    if lead:
         os.makedirs(args.out, exist_ok=True)
-        vel = units.momentum_to_velocity(np.asarray(particles.vel), result.a_final, args.box, args.nc)
-        path = os.path.join(args.out, "particles.h5")
-        with h5py.File(path, "w") as f:
-            f.create_dataset("pos", data=np.asarray(particles.pos).reshape(-1, 3))
-            f.create_dataset("vel", data=vel.reshape(-1, 3).astype(np.float32))
-            f.create_dataset("id", data=np.asarray(particles.id).reshape(-1))
-            f.attrs.update(dict(box_size=args.box, nc=args.nc, a=result.a_final,
-                                particle_mass=mass, pos_unit="Mpc/h", vel_unit="km/s",
-                                mass_unit="Msun/h"))
-        with open(os.path.join(args.out, "layout.json"), "w") as f:
-            json.dump(layout, f, indent=1)
-        print(f"wrote {path} and layout.json")
-    print(f"total {time.perf_counter() - t0:.1f} s")
+    rows, catalogues = [], []
+    for i, a in enumerate(snapshots):
+        cat = gather_catalogue(saved["fof"]["catalogue"], snapshot=i) if "fof" in saved else None
+        catalogues.append(cat)
+        row = {"a": a, "halos": None, "largest": [], "rho": None, "t": t_snap[i]}
+        if cat is not None:
+            path = os.path.join(args.out, f"halos_a{a:.4f}.h5")
+            write_catalogue(path, cat, box_size=args.box, nc=args.nc, a=a, cosmology=cosmology,
+                            linking_length=insitu.b * args.box / args.nc, b=insitu.b,
+                            min_members=insitu.min_members,
+                            attrs=dict(particle_mass=mass, steps=args.steps, seed=args.seed,
+                                       mesh=np.asarray(shape)))
+            row["halos"] = len(cat["id"])
+            row["largest"] = np.sort(cat["mass"])[::-1][:3].tolist()
+        if "knn_density" in saved:
+            delta = _host(saved["knn_density"]["density"])[i]
+            row["rho"] = float(np.median(delta + 1))
+        rows.append(row)
+
+    if lead:
+        _print_table(rows, t_off, args.steps, result.run_s, args.timing)
+    plots = []
+    if lead and catalogues[-1] is not None:
+        from .plots import plot_density_slice, plot_mass_function
+
+        final = catalogues[-1]
+        a = snapshots[-1]
+        mf = os.path.join(args.out, "mass_function.png")
+        plot_mass_function(mf, final["mass"], box_size=args.box, cosmology=cosmology, a=a,
+                           particle_mass=mass, min_members=args.min_members,
+                           title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, {args.steps} "
+                                 f"steps, a = {a:g}: in-situ FoF b = {args.b:g}")
+        plots.append(mf)
+    pos = _host(from_jaxpm(result.state, box_size=args.box).pos)
+    if lead and catalogues[-1] is not None:
+        sl = os.path.join(args.out, "density_slice.png")
+        plot_density_slice(sl, pos, box_size=args.box, halo_pos=final["pos"],
+                           halo_mass=final["mass"], bins=min(args.nc, 512),
+                           title=f"a = {a:g}: projected density of z in [0, {args.box / 8:g}) "
+                                 f"Mpc/h, FoF halo centres")
+        plots.append(sl)
+    if lead:
+        files = sorted(f for f in os.listdir(args.out) if f.startswith("halos_a"))
+        print(f"wrote {', '.join(os.path.join(args.out, f) for f in files + [os.path.basename(p) for p in plots])}")
+        print(f"total wall time {time.perf_counter() - t_start:.1f} s")
     return 0
 
 
-def _fmt(values):
-    return "(" + ", ".join(f"{v:.7g}" for v in values) + ")"
+def _print_table(rows, t_off, steps, t_on, timing):
+    per_step = None if t_off is None else t_off / steps
+    head = f"{'a':>5} {'z':>5} {'halos':>6}  {'largest masses [Msun/h]':<30}"
+    if any(r["rho"] is not None for r in rows):
+        head += f" {'median rho/rho_mean':>19}"
+    if per_step is not None:
+        head += f" {'analyses [s]':>12} {'PM step [s]':>11} {'ratio':>6}"
+    print()
+    print(head)
+    for r in rows:
+        largest = ", ".join(f"{m:.2e}" for m in r["largest"]) or "-"
+        line = f"{r['a']:5.3f} {1 / r['a'] - 1:5.2f} {r['halos'] if r['halos'] is not None else '-':>6}  {largest:<30}"
+        if any(x["rho"] is not None for x in rows):
+            line += f" {r['rho']:19.3f}" if r["rho"] is not None else f" {'-':>19}"
+        if per_step is not None:
+            line += f" {r['t']:12.2f} {per_step:11.3f} {r['t'] / per_step:6.1f}"
+        print(line)
+    if per_step is not None:
+        print(f"PM step: the solve with every analysis switched off ({t_off:.2f} s) / {steps} steps. "
+              f"Analyses: " + ("the solve with the analyses on at that snapshot only, minus the "
+                               "solve with them off" if timing == "snapshot" else
+                               "(solve with all on - solve with all off) / snapshots")
+              + f". The same compiled program runs each time (a traced flag and lax.cond switch "
+                f"the analyses), so compilation is not counted. With all on: {t_on:.2f} s.")
 
 
 if __name__ == "__main__":

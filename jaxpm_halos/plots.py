@@ -188,7 +188,7 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
     rat.set_ylim(0, 2)
     for axis in (ax, rat):
         axis.axvline(100 * particle_mass, color="0.6", ls=":", lw=1)
-    ax.text(100 * particle_mass, 0.02, " 100 particles", color="0.4", fontsize=8,
+    ax.text(100 * particle_mass, 0.97, " 100 particles", color="0.4", fontsize=8, va="top",
             transform=ax.get_xaxis_transform())
     ax.set_ylabel(r"$dn/d\log_{10}M$  [$(h^{-1}\mathrm{Mpc})^{-3}$]")
     rat.set_ylabel("sim / Watson")
@@ -196,7 +196,7 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
     floor = 0.3 / (box_size ** 3 * dex)
     ax.set_ylim(floor, max(watson.max(), meas["dndlog10m"].max(initial=0)) * 2)
     ax.set_xlim(curve_m[0], curve_m[-1])
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper right")
     ax.set_title(title or f"halo mass function, a = {a:.3g} (z = {1 / a - 1:.2f})", fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
