@@ -91,14 +91,29 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
     parent = union(jnp.arange(rows, dtype=int32), image_of, image_src, valid[n_ext:])
 
     limit = jnp.asarray(l * l, ext.pos.dtype)
+    # Links are appended to a buffer and merged into the forest only when the buffer is
+    # full: each union pass costs O(rows), and there are about links / chunk of them.
+    chunk = max(chunk, rows // 2)
+    buffer = 2 * chunk
 
-    def link_chunk(parent, i, j, live):
-        d2 = periodic_distance2(sorted_pos[i], sorted_pos[j], box)
-        return union(parent, i, j, live & (d2 <= limit))
+    def flush(state):
+        parent, u, v, count = state
+        parent = union(parent, u, v, jnp.arange(buffer) < count)
+        return parent, u, v, jnp.int32(0)
+
+    def link_chunk(state, i, j, live):
+        parent, u, v, count = state
+        link = live & (periodic_distance2(sorted_pos[i], sorted_pos[j], box) <= limit)
+        slot = jnp.where(link, count + jnp.cumsum(link, dtype=int32) - 1, buffer)
+        u, v = u.at[slot].set(i, mode="drop"), v.at[slot].set(j, mode="drop")
+        state = parent, u, v, count + jnp.sum(link, dtype=int32)
+        return lax.cond(state[3] > buffer - chunk, flush, lambda s: s, state)
 
     starts, ends = half_shell_ranges(grid, cells)
-    parent, pairs = for_each_pair_chunk(starts, ends, chunk, link_chunk, parent)
-    parent = compress(parent)
+    empty = jnp.zeros(buffer, int32)
+    state, pairs = for_each_pair_chunk(starts, ends, chunk, link_chunk,
+                                       (parent, empty, empty, jnp.int32(0)))
+    parent = flush(state)[0]
     return parent[rank[:n_ext]], rows, need_images, pairs
 
 
