@@ -1,0 +1,96 @@
+"""HDF5 catalogue files: write_catalogue / load_catalogue / gather_catalogue."""
+
+import h5py
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxpm_halos
+from jaxpm_halos.io import INSITU_UNITS, gather_catalogue, load_catalogue, write_catalogue
+
+COSMO = {"Omega_c": 0.25, "Omega_b": 0.0486, "h": 0.6774, "n_s": 0.9667, "sigma8": 0.8,
+         "name": "Planck15 variant"}
+META = dict(box_size=32.0, nc=16, a=0.5, cosmology=COSMO, linking_length=0.4, b=0.2,
+            min_members=5)
+
+
+def _catalogue(rng, n):
+    return {"id": np.sort(rng.choice(4096, n, replace=False)).astype(np.int32),
+            "count": rng.integers(5, 300, n).astype(np.int32),
+            "mass": rng.uniform(1e12, 1e15, n).astype(np.float32),
+            "pos": rng.uniform(0, 32, (n, 3)).astype(np.float32),
+            "vel": rng.normal(0, 300, (n, 3)).astype(np.float32),
+            "vel_disp": rng.uniform(10, 900, n).astype(np.float32),
+            "radius": rng.uniform(0.05, 1.0, n).astype(np.float32)}
+
+
+def test_round_trip_numpy(tmp_path):
+    cat = _catalogue(np.random.default_rng(0), 37)
+    path = write_catalogue(tmp_path / "sub" / "halos.h5", cat, **META,
+                           attrs={"steps": 10, "mesh": np.array([2, 4])})
+    got = load_catalogue(path)
+    assert set(got.keys()) == set(cat)
+    for name, value in cat.items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape
+        np.testing.assert_array_equal(got[name], value)
+    assert len(got) == 37
+    attrs = got.attrs
+    for key in ("box_size", "nc", "a", "linking_length", "b", "min_members"):
+        assert attrs[key] == META[key] and type(attrs[key]) is type(META[key])
+    assert attrs["cosmology"] == COSMO
+    assert attrs["units"] == INSITU_UNITS
+    assert attrs["redshift"] == pytest.approx(1.0)
+    assert attrs["num_halos"] == 37 and attrs["steps"] == 10
+    np.testing.assert_array_equal(attrs["mesh"], [2, 4])
+    with h5py.File(path) as f:  # plain HDF5: one dataset per field, units attached
+        assert f["pos"].attrs["unit"] == "Mpc/h" and f["vel"].attrs["unit"] == "km/s"
+        assert f["mass"].attrs["unit"] == "Msun/h"
+
+
+def test_round_trip_custom_units_and_empty(tmp_path):
+    cat = {k: v[:0] for k, v in _catalogue(np.random.default_rng(1), 3).items()}
+    del cat["vel"], cat["vel_disp"]
+    units = {"mass": "particles", "pos": "cells"}
+    got = load_catalogue(write_catalogue(tmp_path / "empty.h5", cat, **META, units=units))
+    assert len(got) == 0 and "vel" not in got and got["pos"].shape == (0, 3)
+    assert got.attrs["units"] == units
+
+
+def test_round_trip_of_a_sharded_catalogue(tmp_path):
+    """A padded, sharded Catalogue from fof on a (2, 4) mesh, and one stacked over snapshots."""
+    rng = np.random.default_rng(2)
+    n, box = 4096, 32.0
+    centres = rng.uniform(0, box, (40, 3))
+    pos = np.mod(centres[rng.integers(0, 40, n)] + rng.normal(0, 0.3, (n, 3)), box)
+    pos = pos.astype(np.float32)
+    mesh = make_mesh((2, 4))
+    sharded = jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
+    vel = jax.device_put(rng.normal(size=(n, 3)).astype(np.float32), sharded.sharding)
+    config = jaxpm_halos.FoFConfig(domain=jaxpm_halos.DomainConfig(ghost_factor=0.5))
+    _, cat = jaxpm_halos.fof(sharded, box, b=0.2, vel=vel, min_members=5, config=config)
+    expected = cat.to_numpy()
+    assert len(expected["id"]) > 10
+    got = load_catalogue(write_catalogue(tmp_path / "c.h5", cat, **META))
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value)
+
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), cat)
+    for i in range(2):
+        fields = gather_catalogue(stacked, snapshot=i)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(fields[name], value)
+    with pytest.raises(ValueError, match="snapshot"):
+        gather_catalogue(stacked)
+    with pytest.raises(ValueError, match="snapshot"):
+        gather_catalogue(cat, snapshot=0)
+
+
+def test_load_rejects_other_files(tmp_path):
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("pos", data=np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="not a jaxpm_halos catalogue"):
+        load_catalogue(path)
