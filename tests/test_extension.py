@@ -1,0 +1,253 @@
+"""The JaxPM extension: entry point, user analyses, in-situ runs inside diffeqsolve, errors."""
+
+from importlib.metadata import entry_points
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxpm_halos
+from jaxpm_halos import from_jaxpm, units
+from jaxpm_halos.extension import REGISTRY, InSitu, check, register
+from jaxpm_halos.io import gather_catalogue
+
+NEEDS_KNN = pytest.mark.skipif("knn_density" not in REGISTRY,
+                               reason="the knn_density analysis is not registered yet")
+
+
+def state_sharding(mesh):
+    return NamedSharding(mesh, P(None, "x", "y"))
+
+
+# ----------------------------------------------------------------------------------------
+# Discovery and the registry
+
+
+def test_entry_point_is_discoverable():
+    found = {ep.name: ep for ep in entry_points(group="jaxpm.extensions")}
+    assert "halos" in found, "pip install -e . declares the jaxpm.extensions entry point"
+    ext = found["halos"].load()
+    assert ext is jaxpm_halos.extension.EXTENSION
+    assert "fof" in ext.analyses
+    assert ext.InSitu is InSitu and ext.register is register
+
+
+@pytest.fixture
+def speed_analysis():
+    """A user analysis: per-particle speed, id and position, per-device counts, and a
+    replicated value."""
+    name = "test_speed"
+
+    @register(name, outputs={"speed": "particle", "id": "particle", "pos": "particle",
+                             "owned": "device", "twice_a": "replicated"})
+    def speed(snap):
+        p = snap.particles
+        return {"speed": jnp.linalg.norm(p.vel, axis=-1), "id": p.id, "pos": p.pos,
+                "owned": jnp.sum(snap.valid.astype(jnp.int32))[None], "twice_a": 2 * snap.a}
+
+    yield name
+    REGISTRY.pop(name)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), None], ids=["mesh2x4", "single"])
+def test_user_analysis_comes_back_in_grid_layout(speed_analysis, mesh_shape):
+    nc, box, a = 16, 48.0, 0.7
+    rng = np.random.default_rng(3)
+    disp = rng.uniform(-3, 3, (nc, nc, nc, 3)).astype(np.float32)
+    disp[0, 0, 0] = (-0.5, 0.25, nc - 0.5)  # leaves the box on both sides
+    mom = rng.normal(0, 2, (nc, nc, nc, 3)).astype(np.float32)
+    y = np.stack([disp, mom])
+    if mesh_shape is None:
+        y_in = jnp.asarray(y)
+    else:
+        mesh = make_mesh(mesh_shape)
+        y_in = jax.device_put(y, state_sharding(mesh))
+    out = InSitu(box_size=box, analyses=(speed_analysis,))(y_in, a)
+    res = out[speed_analysis]
+
+    speed = np.linalg.norm(units.momentum_to_velocity(mom.astype(np.float64), a, box, nc), axis=-1)
+    assert res["speed"].shape == (nc, nc, nc)
+    np.testing.assert_allclose(np.asarray(res["speed"]), speed, rtol=2e-6)
+    ix, iy, iz = np.indices((nc, nc, nc))
+    np.testing.assert_array_equal(np.asarray(res["id"]), (ix * nc + iy) * nc + iz)
+    q = np.stack([ix, iy, iz], -1)
+    expected = np.mod(q + disp.astype(np.float64), nc) * (box / nc)
+    delta = np.abs(np.asarray(res["pos"], np.float64) - expected)
+    assert np.minimum(delta, box - delta).max() < 1e-4
+    assert np.asarray(res["pos"]).min() >= 0 and np.asarray(res["pos"]).max() < box
+    ndev = 1 if mesh_shape is None else 8
+    assert res["owned"].shape == (ndev,) and int(np.sum(res["owned"])) == nc**3
+    assert float(res["twice_a"]) == pytest.approx(2 * a)
+    assert float(out["a"]) == pytest.approx(a)
+    if mesh_shape is not None:
+        for key in ("speed", "id"):
+            assert res[key].sharding.is_equivalent_to(NamedSharding(mesh, P("x", "y")), 3)
+
+
+# ----------------------------------------------------------------------------------------
+# A real distributed JaxPM run with the analyses inside diffeqsolve
+
+
+NC, BOX, STEPS, TS = 32, 32.0, 5, (0.5, 1.0)
+OMEGA_C, SIGMA8 = 0.25, 0.8
+
+
+@pytest.fixture(scope="module")
+def insitu_run():
+    """A 32^3, 32 Mpc/h JaxPM run (2LPT at a = 0.1, 5 LeapfrogMidpoint steps) on a (2, 4)
+    mesh with ``InSitu(...).saveat(ts)`` as diffeqsolve's SaveAt: the README recipe."""
+    import diffrax
+    import jax_cosmo as jc
+    from jaxpm.kernels import interpolate_power_spectrum
+    from jaxpm.pm import linear_field, lpt, make_diffrax_ode
+
+    mesh = make_mesh((2, 4))
+    sharding = NamedSharding(mesh, P("x", "y"))
+    omega_m = OMEGA_C + float(jc.Planck15().Omega_b)
+    analyses = ("fof", "knn_density") if "knn_density" in REGISTRY else ("fof",)
+    insitu = InSitu(box_size=BOX, analyses=analyses, b=0.2, min_members=20, k=16,
+                    omega_m=omega_m, save_state=True)
+    halo = 16
+    shape = (NC,) * 3
+
+    @jax.jit
+    def simulate(seed):
+        k = jnp.logspace(-4, 1, 128)
+        pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), k)
+        field = linear_field(shape, [BOX] * 3,
+                             lambda x: interpolate_power_spectrum(x, k, pk, sharding),
+                             seed=jax.random.PRNGKey(seed), sharding=sharding)
+        cosmo = jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8)
+        dx, p, _ = lpt(cosmo, field, a=0.1, order=2, halo_size=halo, sharding=sharding)
+        ode = diffrax.ODETerm(make_diffrax_ode(shape, paint_absolute_pos=False,
+                                               halo_size=halo, sharding=sharding))
+        sol = diffrax.diffeqsolve(
+            ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None,
+            y0=jnp.stack([dx, p]), args=cosmo, saveat=insitu.saveat(TS, t0=0.1, t1=1.0),
+            stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, STEPS + 1)),
+            max_steps=STEPS, throw=False)
+        return sol.ys, sol.result == diffrax.RESULTS.successful
+
+    with _quiet():
+        out, ok = simulate(0)
+    assert bool(ok)
+    check(out)
+    return dict(out=out, insitu=insitu, mesh=mesh, omega_m=omega_m,
+                mass=units.particle_mass(omega_m, BOX, NC))
+
+
+class _quiet:
+    def __enter__(self):
+        import warnings
+
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.filterwarnings("ignore", "Explicitly requested dtype.*int64")
+        warnings.filterwarnings("ignore", "invalid value encountered in cast")
+
+    def __exit__(self, *exc):
+        return self._w.__exit__(*exc)
+
+
+def _final_reference(run):
+    out = run["out"]
+    final = out["state"][-1]
+    particles = from_jaxpm(final, box_size=BOX, mass=run["mass"])
+    labels, cat = jaxpm_halos.fof(particles, b=0.2, min_members=20)
+    return final, labels, cat.to_numpy()
+
+
+def test_insitu_catalogue_equals_fof_afterwards(insitu_run):
+    """Done-when: the in-situ catalogue at the final snapshot equals fof run afterwards on
+    the saved final state, exactly, and so do the labels."""
+    out = insitu_run["out"]
+    assert out["fof"]["labels"].shape == (len(TS), NC, NC, NC)
+    np.testing.assert_allclose(np.asarray(out["a"]), TS)
+    final, labels_ref, ref = _final_reference(insitu_run)
+    assert final.sharding.is_equivalent_to(state_sharding(insitu_run["mesh"]), 5)
+
+    got = gather_catalogue(out["fof"]["catalogue"], snapshot=len(TS) - 1)
+    assert len(ref["id"]) > 10, "the test run should have halos"
+    for field in ("id", "count", "mass", "pos", "radius"):
+        np.testing.assert_array_equal(got[field], ref[field], err_msg=field)
+    labels = out["fof"]["labels"][-1]
+    np.testing.assert_array_equal(np.asarray(labels), np.asarray(labels_ref))
+    assert labels.sharding.is_equivalent_to(NamedSharding(insitu_run["mesh"], P("x", "y")), 3)
+    # every catalogue id is the label of its members, and counts match the labels
+    ids, counts = np.unique(np.asarray(labels), return_counts=True)
+    big = dict(zip(ids[counts >= 20].tolist(), counts[counts >= 20].tolist()))
+    assert dict(zip(got["id"].tolist(), got["count"].tolist())) == big
+
+    # the earlier snapshot is a real, different catalogue
+    early = gather_catalogue(out["fof"]["catalogue"], snapshot=0)
+    assert len(early["id"]) < len(got["id"])
+
+
+def test_insitu_units(insitu_run):
+    """Velocities are momentum_to_velocity of the mean momentum; masses count * m_p."""
+    out = insitu_run["out"]
+    final = out["state"][-1]
+    a = TS[-1]
+    _, cat = jaxpm_halos.fof(from_jaxpm(final, box_size=BOX), b=0.2, min_members=20)
+    mom = cat.to_numpy()  # vel: mean momentum in grid units, mass: particle counts
+    got = gather_catalogue(out["fof"]["catalogue"], snapshot=len(TS) - 1)
+    np.testing.assert_array_equal(got["id"], mom["id"])
+    vel = units.momentum_to_velocity(mom["vel"].astype(np.float64), a, BOX, NC)
+    scale = np.abs(vel).max()
+    np.testing.assert_allclose(got["vel"], vel, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(got["vel_disp"],
+                               units.momentum_to_velocity(mom["vel_disp"], a, BOX, NC),
+                               rtol=1e-4, atol=1e-5 * scale)
+    m_p = units.particle_mass(insitu_run["omega_m"], BOX, NC)
+    np.testing.assert_allclose(got["mass"], got["count"] * m_p, rtol=1e-5)
+    np.testing.assert_array_equal(mom["mass"], got["count"])
+    # positions in Mpc/h inside the box
+    assert got["pos"].min() >= 0 and got["pos"].max() < BOX
+
+
+@NEEDS_KNN
+def test_insitu_density_equals_knn_density_afterwards(insitu_run):
+    out = insitu_run["out"]
+    final = out["state"][-1]
+    ref = jaxpm_halos.knn_density(from_jaxpm(final, box_size=BOX, mass=insitu_run["mass"]),
+                                  k=insitu_run["insitu"].k)
+    dens = out["knn_density"]["density"]
+    assert dens.shape == (len(TS), NC, NC, NC)
+    np.testing.assert_array_equal(np.asarray(dens[-1]), np.asarray(ref))
+
+
+# ----------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_unregistered_analysis_name():
+    with pytest.raises(ValueError, match=r"no in-situ analysis named 'halo_finder'.*'fof'"):
+        InSitu(box_size=32.0, analyses=("fof", "halo_finder"))
+
+
+@pytest.mark.parametrize("ts", [(0.05, 1.0), (0.5, 1.2), ()])
+def test_snapshot_times_outside_the_solve(ts):
+    insitu = InSitu(box_size=32.0, analyses=("fof",))
+    with pytest.raises(ValueError, match=r"must be non-empty and lie in \[0.1, 1.0\]"):
+        insitu.saveat(ts, t0=0.1, t1=1.0)
+    insitu.saveat((0.1, 0.5, 1.0), t0=0.1, t1=1.0)  # the end points are fine
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 16, 3), (3, 16, 16, 16, 3), (2, 16, 16, 8, 3),
+                                   (2, 16, 16, 16, 2)])
+def test_state_of_the_wrong_shape(shape):
+    insitu = InSitu(box_size=32.0, analyses=("fof",))
+    with pytest.raises(ValueError, match=r"\(2, nc, nc, nc, 3\)"):
+        insitu(jnp.zeros(shape, jnp.float32), 1.0)
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "x", "y"), P("x", "y")])
+def test_state_sharded_over_the_wrong_axes(spec):
+    mesh = make_mesh((2, 4))
+    y = jax.device_put(np.zeros((2, 16, 16, 16, 3), np.float32), NamedSharding(mesh, spec))
+    insitu = InSitu(box_size=32.0, analyses=("fof",))
+    with pytest.raises(ValueError, match=r"sharded over its grid's first two axes"):
+        insitu(y, 1.0)
