@@ -1,10 +1,14 @@
-"""Sorted cells: the spatial index shared by FoF and kNN, local to one device.
+"""Spatial indexes local to one device, and fixed-shape loops over their pairs.
 
-Rows are sorted by the key of the cell that holds them, ``(cx * ny + cy) * nz + cz``, so
-every cell, and every run of consecutive cells along z (a "row segment"), is one contiguous
-range of the sorted order. Neighbour searches then cost two binary searches per row segment
-and never depend on how full the cells are. The frame is a device's extended pencil:
-``x, y`` over the pencil plus its ghost layers, ``z`` over the box plus periodic images.
+* :class:`Columns` (FoF): rows sorted by x-y column, then by z. A neighbour window is one
+  contiguous range per column, found by a binary search as deep as log2 of the column's
+  length, so no search depends on how full the densest cell is.
+* Morton keys (kNN): rows sorted along a space-filling curve.
+* :func:`for_each_pair_chunk` flattens ranges of candidate partners into fixed-size
+  chunks; :func:`union` merges links into a union-find forest in fixed-shape passes.
+
+The frame is a device's extended pencil: ``x, y`` over the pencil plus its ghost layers,
+``z`` over the box plus periodic images.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from jax import lax
 
 int32 = jnp.int32
 _MAX_CELLS = 1 << 30
-_SENTINEL = jnp.iinfo(jnp.int32).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,76 +45,6 @@ class CellGrid:
             if math.prod(shape) < _MAX_CELLS:
                 return cls(shape, tuple(length / n for length, n in zip(lengths, shape)))
             min_side *= 1.25
-
-    def coords(self, local_pos, origin):
-        """Integer cell coordinates (…, 3) of positions in the grid's frame."""
-        side = jnp.asarray(self.side, local_pos.dtype)
-        c = jnp.floor((local_pos - origin) / side).astype(int32)
-        return jnp.clip(c, 0, jnp.asarray(self.shape, int32) - 1)
-
-    def key(self, cx, cy, cz):
-        _, ny, nz = self.shape
-        return (cx * ny + cy) * nz + cz
-
-
-class SortedCells(NamedTuple):
-    """Rows sorted by cell.
-
-    Attributes:
-      order: (R,) row index of each sorted position (invalid rows last).
-      keys: (R,) sorted cell keys, int32 max for invalid rows.
-      cell: (R, 3) cell coordinates of the sorted rows.
-    """
-
-    order: jax.Array
-    keys: jax.Array
-    cell: jax.Array
-
-
-def sort_cells(grid: CellGrid, local_pos, origin, valid) -> SortedCells:
-    cell = grid.coords(local_pos, origin)
-    keys = jnp.where(valid, grid.key(cell[:, 0], cell[:, 1], cell[:, 2]), _SENTINEL)
-    order = jnp.argsort(keys)
-    return SortedCells(order, keys[order], cell[order])
-
-
-def segment_range(grid: CellGrid, cells: SortedCells, dx: int, dy: int, dz_lo: int, dz_hi: int):
-    """For every sorted row, the range ``[start, end)`` of sorted rows in cells
-    ``(cx + dx, cy + dy, cz + dz_lo .. cz + dz_hi)`` (clipped to the grid; empty off it)."""
-    nx, ny, nz = grid.shape
-    c = cells.cell
-    cx, cy = c[:, 0] + dx, c[:, 1] + dy
-    inside = (cx >= 0) & (cx < nx) & (cy >= 0) & (cy < ny) & (cells.keys != _SENTINEL)
-    lo = grid.key(cx, cy, jnp.maximum(c[:, 2] + dz_lo, 0))
-    hi = grid.key(cx, cy, jnp.minimum(c[:, 2] + dz_hi, nz - 1))
-    start = search(cells.keys, lo, "left")
-    end = search(cells.keys, hi, "right")
-    return jnp.where(inside, start, 0), jnp.where(inside, end, 0)
-
-
-def search(keys, queries, side):
-    """``searchsorted`` with the unrolled binary search (fastest on CPU and GPU)."""
-    return jnp.searchsorted(keys, queries, side=side, method="scan_unrolled").astype(int32)
-
-
-def half_shell_ranges(grid: CellGrid, cells: SortedCells):
-    """Ranges covering, once per unordered pair, all rows in the 27 cells around each row.
-
-    Returns ``(starts, ends)`` of shape (R, 5): the row's own cell after itself plus the
-    next z cell, then the three-cell z segments of the four (dx, dy) forward columns.
-    """
-    r = jnp.arange(cells.keys.shape[0], dtype=int32)
-    _, nz = grid.shape[1:]
-    c = cells.cell
-    own_end = search(cells.keys, grid.key(c[:, 0], c[:, 1], jnp.minimum(c[:, 2] + 1, nz - 1)),
-                     "right")
-    own_end = jnp.where(cells.keys != _SENTINEL, own_end, 0)
-    starts, ends = [jnp.minimum(r + 1, own_end)], [own_end]
-    for dx, dy in ((0, 1), (1, -1), (1, 0), (1, 1)):
-        s, e = segment_range(grid, cells, dx, dy, -1, 1)
-        starts.append(s)
-        ends.append(e)
-    return jnp.stack(starts, 1), jnp.stack(ends, 1)
 
 
 def for_each_pair_chunk(starts, ends, chunk: int, body, carry):
@@ -137,7 +70,7 @@ def for_each_pair_chunk(starts, ends, chunk: int, body, carry):
         live = t < total
         # The row of pair t: the last row that starts at or before t. Rows starting inside
         # the chunk mark their first pair; a running maximum fills in the rest.
-        row0 = search(cum, t0[None], "right")[0]
+        row0 = search_sorted(cum, t0 + 1)  # the first row whose pairs reach past t0
         offset = first - t0
         inside = (per_row > 0) & (offset > 0) & (offset < chunk)
         marks = jnp.zeros(chunk, int32).at[jnp.where(inside, offset, chunk)].max(row_ids,
@@ -226,3 +159,107 @@ def search_sorted(sorted_keys, values):
         pos = jnp.where((cand <= n) & (probe < values), cand, pos)
         step >>= 1
     return pos
+
+
+# ----------------------------------------------------------------------------------------
+# Columns sorted along z: the FoF index
+
+
+class Columns(NamedTuple):
+    """Rows sorted by x-y column, then by z.
+
+    Columns are cells of the x-y plane (sides >= the search radius); within a column the
+    rows are ordered by their z coordinate, so a z window is found by a binary search
+    bounded by the column's length rather than the whole array.
+
+    Attributes:
+      order: (R,) row index of each sorted position (invalid rows last).
+      column: (R,) sorted column index (``num_columns`` for invalid rows).
+      z: (R,) sorted z coordinates.
+      start: (num_columns + 1,) first sorted position of each column.
+      cx, cy: (R,) column coordinates of the sorted rows.
+      shape: (nx, ny), static.
+    """
+
+    order: jax.Array
+    column: jax.Array
+    z: jax.Array
+    start: jax.Array
+    cx: jax.Array
+    cy: jax.Array
+    shape: tuple
+
+
+def sort_columns(lengths, min_side: float, local_pos, origin, valid) -> Columns:
+    """Sort rows into x-y columns of side >= ``min_side`` covering ``lengths`` (x, y)."""
+    grid = CellGrid.covering((lengths[0], lengths[1], 0.0), min_side)
+    nx, ny, _ = grid.shape
+    side = jnp.asarray(grid.side[:2], local_pos.dtype)
+    c = jnp.clip(jnp.floor((local_pos[:, :2] - origin[:2]) / side).astype(int32), 0,
+                 jnp.asarray([nx - 1, ny - 1], int32))
+    columns = nx * ny
+    column = jnp.where(valid, c[:, 0] * ny + c[:, 1], columns)
+    z = jnp.where(valid, local_pos[:, 2], jnp.inf)
+    column, z, order = lax.sort((column, z, jnp.arange(column.shape[0], dtype=int32)),
+                                num_keys=2)
+    counts = jnp.zeros(columns + 1, int32).at[column].add(1)
+    start = jnp.concatenate([jnp.zeros(1, int32), jnp.cumsum(counts, dtype=int32)])[:columns + 1]
+    cc = jnp.minimum(column, columns - 1)
+    return Columns(order, column, z, start, cc // ny, cc % ny, (nx, ny))
+
+
+def search_columns(z, lo, hi, target, right):
+    """First position in ``[lo, hi)`` with ``z > target`` where ``right``, else ``z >= target``.
+
+    One binary search for all queries, as deep as log2 of the longest range: columns are
+    short, so this is far shallower than a search of the whole array.
+    """
+    depth = jnp.ceil(jnp.log2(jnp.max(hi - lo).astype(jnp.float32) + 1)).astype(int32)
+    last = z.shape[0] - 1
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        zm = z[jnp.minimum(mid, last)]
+        after = jnp.where(right, zm <= target, zm < target)
+        return (jnp.where((lo < hi) & after, mid + 1, lo),
+                jnp.where((lo < hi) & ~after, mid, hi))
+
+    return lax.fori_loop(0, depth, step, (lo, hi))[0]
+
+
+_FORWARD_COLUMNS = ((0, 1), (1, -1), (1, 0), (1, 1))
+
+
+def half_shell_windows(cols: Columns, reach):
+    """Ranges covering, once per unordered pair, every row within ``reach`` in z and in the
+    3x3 neighbouring columns of each row.
+
+    Returns ``(starts, ends)`` of shape (R, 5): the row's own column after itself up to
+    ``z + reach``, then the windows ``[z - reach, z + reach]`` of the four forward
+    columns (dx, dy) = (0, 1), (1, -1), (1, 0), (1, 1).
+    """
+    nx, ny = cols.shape
+    rows = cols.order.shape[0]
+    live = cols.column < nx * ny
+
+    def column_range(dx, dy):
+        cx, cy = cols.cx + dx, cols.cy + dy
+        inside = live & (cx < nx) & (cy >= 0) & (cy < ny)
+        col = jnp.where(inside, cx * ny + cy, nx * ny)
+        return jnp.where(inside, cols.start[col], 0), jnp.where(inside, cols.start[col + 1], 0)
+
+    _, own_hi = column_range(0, 0)
+    own_lo = jnp.minimum(jnp.arange(rows, dtype=int32) + 1, own_hi)
+    ranges = [column_range(dx, dy) for dx, dy in _FORWARD_COLUMNS]
+    # Queries: the own column's upper end, then lower and upper ends of each forward column.
+    lo = jnp.concatenate([own_lo] + [r[0] for r in ranges for _ in (0, 1)])
+    hi = jnp.concatenate([own_hi] + [r[1] for r in ranges for _ in (0, 1)])
+    target = jnp.concatenate([cols.z + reach] + [cols.z + sign * reach for _ in ranges
+                                                 for sign in (-1, 1)])
+    right = jnp.concatenate([jnp.ones(rows, bool)] + [jnp.full(rows, flag) for _ in ranges
+                                                       for flag in (False, True)])
+    found = search_columns(cols.z, lo, hi, target, right).reshape(-1, rows)
+    starts = jnp.stack([own_lo] + [found[1 + 2 * k] for k in range(4)], 1)
+    ends = jnp.stack([found[0]] + [found[2 + 2 * k] for k in range(4)], 1)
+    return starts, jnp.maximum(ends, starts)
