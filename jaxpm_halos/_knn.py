@@ -54,7 +54,7 @@ from ._status import Limit, Status, is_traced
 
 int32 = jnp.int32
 _SENTINEL = np.iinfo(np.int32).max
-_NODES = 4  # octree nodes per dimension enumerated by one batch
+_NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
 
 
@@ -180,178 +180,194 @@ class Queries(NamedTuple):
     p: jax.Array
 
 
-def _seed_offsets(k: int, self_mode: bool):
-    h = k // 2
-    if self_mode:
-        offs = list(range(-h, 0)) + list(range(1, k - h + 1))
-    else:
-        offs = list(range(-h, k - h))
-    return np.asarray(offs, np.int32)
+class _Plan(NamedTuple):
+    """Where one batch searches: candidate row ranges (one per octree node) covering the
+    box ``[lo, hi]`` (local frame) whose rows are candidates, and the distance from each
+    query to the boundary of the region known to be complete."""
+
+    start: jax.Array
+    count: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    coverage: jax.Array
+    rho: jax.Array
 
 
-def _half_box(delta, box):
-    half = 0.5 * box
-    return jnp.all((delta >= -half) & (delta < half), axis=-1)
-
-
-def _search_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries, rho_q,
-                  k: int, chunk: int, self_mode: bool, radius_factor: float):
-    """k nearest rows of one batch of B queries.
-
-    Returns ``(d2, rows, coverage, rho)``: (B, k) squared distances (inf where fewer than
-    k were found) and sorted rows, the distance from each query to the boundary of the
-    region known to be complete, and the search radius the batch used.
-    """
+def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries, rho_q,
+                k: int, radius_factor: float) -> _Plan:
+    """The region of one batch: its bounding box grown by a radius ``rho``, enumerated as
+    at most ``_NODES**3`` octree nodes of the finest level that covers it."""
     dtype = q.canon.dtype
-    B = q.canon.shape[0]
     R = index.key.shape[0]
-    box = frame.box
-    offs_np = _seed_offsets(k, self_mode)
-    lo_off, hi_off = int(offs_np.min()), int(offs_np.max())
-    offs = jnp.asarray(offs_np)
-
-    # Seed: the k nearest rows in key order.
-    rows = q.p[:, None] + offs[None, :]
-    inside = (rows >= 0) & (rows < index.n)
-    rows_c = jnp.clip(rows, 0, R - 1)
-    c_canon, c_local, c_id = index.canon[rows_c], index.local[rows_c], index.id[rows_c]
-    ok = (inside & q.valid[:, None] & (c_id != q.id[:, None])
-          & _half_box(c_local - q.local[:, None, :], box))
-    run_d2 = jnp.where(ok, periodic_distance2(q.canon[:, None, :], c_canon, box), jnp.inf)
-    run_row = jnp.where(ok, rows, R)
-
-    # Search radius of the batch.
+    big = jnp.asarray(jnp.inf, dtype)
+    any_valid = jnp.any(q.valid)
+    qmin = jnp.min(jnp.where(q.valid[:, None], q.local, big), axis=0)
+    qmax = jnp.max(jnp.where(q.valid[:, None], q.local, -big), axis=0)
+    qmin = jnp.where(any_valid, qmin, origin)
+    qmax = jnp.where(any_valid, qmax, origin)
     full = jnp.asarray(frame.full, dtype)
     if rho_q is None:
-        bound = jnp.sqrt(jnp.max(run_d2, axis=1))
-        bound = jnp.where(q.valid, bound, jnp.inf)
-        nvalid = jnp.sum(q.valid, dtype=int32)
-        median = jnp.sort(bound)[jnp.maximum(nvalid - 1, 0) // 2]
-        rho = jnp.where(jnp.isfinite(median), radius_factor * median, full)
+        # The rows between the batch's first and last query in key order, over the volume
+        # of the batch's bounding box, estimate the local density.
+        p_lo = jnp.min(jnp.where(q.valid, q.p, R))
+        p_hi = jnp.max(jnp.where(q.valid, q.p, -1))
+        rows_in = jnp.maximum(p_hi - p_lo + 1, 1).astype(dtype)
+        extent = qmax - qmin
+        extent = jnp.maximum(extent, jnp.max(extent) / 4)
+        volume = jnp.prod(extent)
+        r_est = (3 * k * volume / (4 * np.pi * rows_in)) ** (1 / 3)
+        rho = jnp.where(volume > 0, radius_factor * r_est, 0)
     else:
         rho = jnp.max(jnp.where(q.valid, rho_q, 0))
     rho = jnp.minimum(rho, full).astype(dtype)
 
-    # Region: the batch's bounding box grown by rho, as at most _NODES^3 octree nodes.
-    big = jnp.asarray(jnp.inf, dtype)
-    qmin = jnp.min(jnp.where(q.valid[:, None], q.local, big), axis=0)
-    qmax = jnp.max(jnp.where(q.valid[:, None], q.local, -big), axis=0)
-    any_valid = jnp.any(q.valid)
-    qmin = jnp.where(any_valid, qmin, origin)
-    qmax = jnp.where(any_valid, qmax, origin)
     side = jnp.asarray(frame.side, dtype)
     lo = jnp.clip(qmin - rho - origin, 0, side)
     hi = jnp.clip(qmax + rho - origin, 0, side)
-    span = jnp.maximum(jnp.max(hi - lo), side * 2.0 ** -(_LEVELS + 1))
-    level = jnp.floor(jnp.log2(side * (_NODES - 1) / span)).astype(int32)
-    level = jnp.clip(level, 0, _LEVELS)
-    scale = jnp.left_shift(1, level)
-    node_side = side / scale.astype(dtype)
-    n_lo = jnp.clip(jnp.floor(lo / node_side).astype(int32), 0, scale - 1)
-    n_hi = jnp.clip(jnp.floor(hi / node_side).astype(int32), n_lo,
-                    jnp.minimum(n_lo + _NODES - 1, scale - 1))
-    grid = np.stack(np.meshgrid(*[np.arange(_NODES)] * 3, indexing="ij"), -1).reshape(-1, 3)
-    nodes = n_lo[None, :] + jnp.asarray(grid, int32)
-    node_ok = jnp.all(nodes <= n_hi[None, :], axis=1) & any_valid
+    # The finest level at which the region spans at most _NODES nodes.
+    levels = jnp.arange(_LEVELS + 1, dtype=int32)
+    scales = jnp.left_shift(1, levels)
+    sides = side / scales.astype(dtype)
+    lo_n = jnp.clip(jnp.floor(lo[None, :] / sides[:, None]).astype(int32), 0, scales[:, None] - 1)
+    hi_n = jnp.clip(jnp.floor(hi[None, :] / sides[:, None]).astype(int32), lo_n,
+                    scales[:, None] - 1)
+    spans = hi_n - lo_n + 1
+    fits = jnp.prod(spans, axis=1) <= _NODES
+    level = jnp.max(jnp.where(fits, levels, 0))
+    scale, node_side = scales[level], sides[level]
+    n_lo, n_hi, span = lo_n[level], hi_n[level], spans[level]
+    i = jnp.arange(_NODES, dtype=int32)
+    nodes = n_lo[None, :] + jnp.stack([i // (span[1] * span[2]), (i // span[2]) % span[1],
+                                       i % span[2]], axis=1)
+    node_ok = (i < jnp.prod(span)) & any_valid
+    nodes = jnp.where(node_ok[:, None], nodes, 0)
     prefix = morton_key(nodes[:, 0], nodes[:, 1], nodes[:, 2])
     shift = 3 * (_LEVELS - level)
     start = search_sorted(index.key, jnp.left_shift(prefix, shift))
     end = search_sorted(index.key, jnp.left_shift(prefix + 1, shift))
-    counts = jnp.where(node_ok, end - start, 0)
-    cum = jnp.cumsum(counts)
-    first = cum - counts
-    total = cum[-1]
+    count = jnp.where(node_ok, end - start, 0)
 
-    # Complete region: the node box (unbounded at the frame's edges) within the ghost cover.
+    # Complete region: the node box (unbounded at the frame's edges) within the ghost cover
+    # and within half a box of every query of the batch; candidates outside that window are
+    # dropped, so a row is never a second periodic image of a particle.
+    half = jnp.asarray(0.5 * frame.box - frame.margin, dtype)
+    f_lo = qmax - half
+    f_hi = qmin + half
     box_lo = jnp.where(n_lo == 0, -big, origin + n_lo.astype(dtype) * node_side)
     box_hi = jnp.where(n_hi == scale - 1, big, origin + (n_hi + 1).astype(dtype) * node_side)
-    c_lo = jnp.maximum(box_lo, cover_lo)
-    c_hi = jnp.minimum(box_hi, cover_hi)
+    c_lo = jnp.maximum(jnp.maximum(box_lo, cover_lo), f_lo)
+    c_hi = jnp.minimum(jnp.minimum(box_hi, cover_hi), f_hi)
     coverage = jnp.min(jnp.minimum(q.local - c_lo, c_hi - q.local), axis=1)
+    return _Plan(start, count, f_lo, f_hi, coverage, rho)
 
-    w_lo = q.p + lo_off
-    w_hi = q.p + hi_off
+
+def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, chunk: int):
+    """The ``kk`` nearest rows of one batch of B queries among its plan's rows, ``chunk``
+    candidate rows at a time merged into the running list of every query (a query's own
+    row is not excluded here: self mode keeps ``k + 1`` and drops it at the end).
+
+    Returns (B, kk) squared distances (ascending, inf where fewer were found) and sorted
+    rows.
+    """
+    B = q.canon.shape[0]
+    R = index.key.shape[0]
+    box = frame.box
+    count = plan.count
+    cum = jnp.cumsum(count)
+    first = cum - count
+    total = cum[-1]
 
     def step(state):
         j, run_d2, run_row = state
         t = j * chunk + jnp.arange(chunk, dtype=int32)
-        live = t < total
-        seg = jnp.minimum(search_sorted(cum, t + 1), counts.shape[0] - 1)
-        row = jnp.where(live, start[seg] + t - first[seg], 0)
-        cc, cl, ci = index.canon[row], index.local[row], index.id[row]
-        d2 = periodic_distance2(q.canon[:, None, :], cc[None, :, :], box)
-        in_window = (row[None, :] >= w_lo[:, None]) & (row[None, :] <= w_hi[:, None])
-        ok = (live[None, :] & (ci[None, :] != q.id[:, None]) & ~in_window
-              & _half_box(cl[None, :, :] - q.local[:, None, :], box))
-        d2 = jnp.where(ok, d2, jnp.inf)
-        vals, pick = lax.top_k(jnp.concatenate([-run_d2, -d2], axis=1), k)
-        all_rows = jnp.concatenate([run_row, jnp.broadcast_to(row, (B, chunk))], axis=1)
-        return j + 1, -vals, jnp.take_along_axis(all_rows, pick, axis=1)
+        seg = jnp.minimum(search_sorted(cum, t + 1), count.shape[0] - 1)
+        row = jnp.where(t < total, plan.start[seg] + t - first[seg], 0)
+        local = index.local[row]
+        live = (t < total) & jnp.all((local >= plan.lo) & (local <= plan.hi), axis=1)
+        neg = -periodic_distance2(q.canon[:, None, :], index.canon[row][None, :, :], box)
+        neg = jnp.where(live[None, :], neg, -jnp.inf)
+        # The running list goes first: top_k then starts from a good heap and is cheap.
+        vals, pick = lax.top_k(jnp.concatenate([-run_d2, neg], axis=1), kk)
+        prev = jnp.take_along_axis(run_row, jnp.minimum(pick, kk - 1), axis=1)
+        new_row = jnp.where(pick < kk, prev, row[jnp.maximum(pick - kk, 0)])
+        return j + 1, -vals, new_row
 
     n_chunks = (total + chunk - 1) // chunk
-    _, run_d2, run_row = lax.while_loop(lambda s: s[0] < n_chunks, step,
-                                        (jnp.int32(0), run_d2, run_row))
-    # Make the seed-only result sorted as well (top_k sorts; seeds may be unsorted).
-    vals, pick = lax.top_k(-run_d2, k)
-    run_d2, run_row = -vals, jnp.take_along_axis(run_row, pick, axis=1)
-    return run_d2, run_row, coverage, jnp.broadcast_to(rho, (B,))
+    init = (jnp.int32(0), jnp.full((B, kk), jnp.inf, q.canon.dtype), jnp.full((B, kk), R, int32))
+    _, run_d2, run_row = lax.while_loop(lambda s: s[0] < n_chunks, step, init)
+    return run_d2, run_row
 
 
 def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries, rho_q,
             count, k: int, cfg: KNNConfig, batch: int, self_mode: bool):
-    """Search every valid query (the first ``count`` rows of ``q``) in batches.
+    """Search every valid query (the first ``count`` rows of ``q``) in batches of
+    ``batch`` consecutive queries.
 
-    Groups of ``cfg.group_size`` batches are processed side by side, and only as many
-    groups as hold valid queries are run.
+    First every batch plans its region; then the batches are taken in order of decreasing
+    work, ``cfg.group_size`` side by side, so that batches stepping through their candidate
+    chunks together have about as many chunks each. Only batches holding valid queries
+    are planned and scanned.
+
+    Returns ``(d2, rows, coverage, rho)`` per query.
     """
     n = q.canon.shape[0]
+    dtype = q.canon.dtype
     g = cfg.group_size
     per_group = g * batch
     padded = -(-n // per_group) * per_group
+    nb = padded // batch
     pad = padded - n
 
     def padq(a, fill):
         return jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)]) if pad else a
 
-    qp = Queries(padq(q.local, 0), padq(q.canon, 0), padq(q.id, -2), padq(q.valid, False),
+    qb = Queries(padq(q.local, 0), padq(q.canon, 0), padq(q.id, -2), padq(q.valid, False),
                  padq(q.p, 0))
-    rp = None if rho_q is None else padq(rho_q, 0)
-    out_d2 = jnp.full((padded, k), jnp.inf, q.canon.dtype)
-    out_row = jnp.zeros((padded, k), int32)
-    out_cov = jnp.zeros((padded,), q.canon.dtype)
-    out_rho = jnp.zeros((padded,), q.canon.dtype)
-    search = jax.vmap(functools.partial(_search_batch, index, frame, origin, cover_lo, cover_hi,
-                                        k=k, chunk=cfg.chunk_size, self_mode=self_mode,
-                                        radius_factor=cfg.radius_factor))
+    qb = jax.tree.map(lambda a: a.reshape((nb, batch) + a.shape[1:]), qb)
+    rb = None if rho_q is None else padq(rho_q, 0).reshape(nb, batch)
     n_groups = (count + per_group - 1) // per_group
+    plan_fn = jax.vmap(functools.partial(_plan_batch, index, frame, origin, cover_lo, cover_hi,
+                                         k=k, radius_factor=cfg.radius_factor))
+    nodes = _NODES
+    plans = _Plan(jnp.zeros((nb, nodes), int32), jnp.zeros((nb, nodes), int32),
+                  jnp.zeros((nb, 3), dtype), jnp.zeros((nb, 3), dtype),
+                  jnp.zeros((nb, batch), dtype), jnp.zeros((nb,), dtype))
 
-    def body(state):
-        gi, d2s, rows, covs, rhos = state
-        s = gi * per_group
+    def plan_body(state):
+        gi, plans = state
+        s = gi * g
+        cut = lambda a: lax.dynamic_slice_in_dim(a, s, g)
+        new = plan_fn(jax.tree.map(cut, qb), None if rb is None else cut(rb))
+        return gi + 1, jax.tree.map(lambda buf, v: lax.dynamic_update_slice_in_dim(buf, v, s, 0),
+                                    plans, new)
 
-        def cut(a):
-            a = lax.dynamic_slice_in_dim(a, s, per_group)
-            return a.reshape((g, batch) + a.shape[1:])
+    _, plans = lax.while_loop(lambda s: s[0] < n_groups, plan_body, (jnp.int32(0), plans))
+    work = jnp.sum(plans.count, axis=1)
+    order = jnp.argsort(-work)
+    kk = k + 1 if self_mode else k
+    scan_fn = jax.vmap(functools.partial(_scan_batch, index, frame, kk=kk, chunk=cfg.chunk_size))
+    out_d2 = jnp.full((nb, batch, kk), jnp.inf, dtype)
+    out_row = jnp.zeros((nb, batch, kk), int32)
 
-        qg = Queries(*(cut(a) for a in qp))
-        rg = None if rp is None else cut(rp)
-        d2, row, cov, rho = search(qg, rg)
+    def scan_body(state):
+        gi, d2s, rows = state
+        ids = lax.dynamic_slice_in_dim(order, gi * g, g)
+        d2, row = scan_fn(jax.tree.map(lambda a: a[ids], qb),
+                          jax.tree.map(lambda a: a[ids], plans))
+        return gi + 1, d2s.at[ids].set(d2), rows.at[ids].set(row)
 
-        def put(buf, val):
-            return lax.dynamic_update_slice_in_dim(buf, val.reshape((per_group,) + val.shape[2:]),
-                                                   s, 0)
-
-        return gi + 1, put(d2s, d2), put(rows, row), put(covs, cov), put(rhos, rho)
-
-    _, d2s, rows, covs, rhos = lax.while_loop(lambda s: s[0] < n_groups, body,
-                                              (jnp.int32(0), out_d2, out_row, out_cov, out_rho))
-    return d2s[:n], rows[:n], covs[:n], rhos[:n]
+    _, d2s, rows = lax.while_loop(lambda s: s[0] < n_groups, scan_body,
+                                  (jnp.int32(0), out_d2, out_row))
+    rho = jnp.broadcast_to(plans.rho[:, None], (nb, batch))
+    flat = lambda a: a.reshape((padded,) + a.shape[2:])[:n]
+    return flat(d2s), flat(rows), flat(plans.coverage), flat(rho)
 
 
-def _classify(frame: _Frame, d2, coverage, rho, k):
-    """0: exact, 1: search again with radius ``new_rho``, 2: needs the cross-device pass."""
+def _classify(frame: _Frame, d2, coverage, rho):
+    """0: exact, 1: search again with radius ``new_rho``, 2: needs the cross-device pass.
+    The last column of ``d2`` is the distance that must be covered."""
     dtype = d2.dtype
-    rk2 = d2[:, k - 1]
+    rk2 = d2[:, -1]
     found = jnp.isfinite(rk2)
     rk = jnp.sqrt(rk2)
     m = jnp.asarray(frame.margin, dtype)
@@ -404,11 +420,14 @@ def _interval_gap(q, lo, hi, box):
 
 
 def _remote_search(pencils: Pencils, frame: _Frame, index: Index, own_rows, own_count, qc, qid,
-                   bound2, k: int, chunk: int):
-    """k nearest owned particles of this device for every device's remote queries.
+                   bound2, kk: int, chunk: int, block: int):
+    """The ``kk`` nearest owned particles of this device for every device's remote queries.
 
-    ``own_rows`` are this device's owned sorted rows in key order. Returns (Q, k) squared
-    distances and sorted rows (``R`` where none).
+    ``own_rows`` are this device's owned sorted rows in key order, cut into chunks of
+    ``chunk`` rows with bounding boxes. Only the queries whose sphere (radius
+    ``sqrt(bound2)``) reaches this pencil are searched, ``block`` at a time, and only
+    against the chunks their spheres reach. Returns (Q, kk) squared distances and sorted
+    rows (``R`` where none).
     """
     dtype = qc.dtype
     box = frame.box
@@ -420,43 +439,55 @@ def _remote_search(pencils: Pencils, frame: _Frame, index: Index, own_rows, own_
     gap = [_interval_gap(qc[:, d], lo[d].astype(dtype), hi[d].astype(dtype), box) if n > 1
            else jnp.zeros((Q,), dtype) for d, n in ((0, pencils.px), (1, pencils.py))]
     relevant = (jnp.sqrt(gap[0] ** 2 + gap[1] ** 2) <= reach) & (qid != -3)
+    rel, n_rel = selection(relevant, Q)
+
     n_own = own_rows.shape[0]
-    n_chunks = (own_count + chunk - 1) // chunk
-    padded = -(-n_own // chunk) * chunk
-    rows_all = jnp.concatenate([own_rows, jnp.full((padded - n_own,), R, int32)])
+    n_chunks = -(-n_own // chunk)
+    rows_all = jnp.concatenate([own_rows, jnp.full((n_chunks * chunk - n_own,), R, int32)])
+    rows_all = rows_all.reshape(n_chunks, chunk)
+    live_all = (rows_all < R) & (jnp.arange(n_chunks * chunk).reshape(n_chunks, chunk) < own_count)
+    cpos = index.canon[jnp.clip(rows_all, 0, R - 1)]
+    big = jnp.asarray(jnp.inf, dtype)
+    cmin = jnp.min(jnp.where(live_all[..., None], cpos, big), axis=1)
+    cmax = jnp.max(jnp.where(live_all[..., None], cpos, -big), axis=1)
 
-    def compute(_):
-        def step(state):
-            j, run_d2, run_row = state
-            rows = lax.dynamic_slice_in_dim(rows_all, j * chunk, chunk)
-            live = rows < R
+    out_d2 = jnp.full((Q + 1, kk), jnp.inf, dtype)
+    out_row = jnp.full((Q + 1, kk), R, int32)
+
+    def block_body(state):
+        b, out_d2, out_row = state
+        sel = lax.dynamic_slice_in_dim(jnp.concatenate([rel, jnp.full((block,), Q, int32)]),
+                                       b * block, block)
+        on = sel < Q
+        sc = jnp.clip(sel, 0, Q - 1)
+        bq, bid, breach = qc[sc], qid[sc], jnp.where(on, reach[sc], -1)
+        g = [_interval_gap(bq[:, None, d], cmin[None, :, d], cmax[None, :, d], box)
+             for d in range(3)]
+        near = jnp.sqrt(g[0] ** 2 + g[1] ** 2 + g[2] ** 2) <= breach[:, None]
+        todo, n_todo = selection(jnp.any(near, axis=0), n_chunks)
+
+        def chunk_body(state):
+            i, run_d2, run_row = state
+            c = todo[i]
+            rows = rows_all[c]
             rc = jnp.clip(rows, 0, R - 1)
-            cc, ci = index.canon[rc], index.id[rc]
-            big = jnp.asarray(jnp.inf, dtype)
-            cmin = jnp.min(jnp.where(live[:, None], cc, big), axis=0)
-            cmax = jnp.max(jnp.where(live[:, None], cc, -big), axis=0)
-            g = [_interval_gap(qc[:, d], cmin[d], cmax[d], box) for d in range(3)]
-            near = relevant & (jnp.sqrt(g[0] ** 2 + g[1] ** 2 + g[2] ** 2) <= reach)
+            neg = -periodic_distance2(bq[:, None, :], index.canon[rc][None, :, :], box)
+            ok = live_all[c][None, :] & near[:, c][:, None]
+            neg = jnp.where(ok, neg, -jnp.inf)
+            vals, pick = lax.top_k(jnp.concatenate([-run_d2, neg], axis=1), kk)
+            prev = jnp.take_along_axis(run_row, jnp.minimum(pick, kk - 1), axis=1)
+            new_row = jnp.where(pick < kk, prev, rows[jnp.maximum(pick - kk, 0)])
+            return i + 1, -vals, new_row
 
-            def merge(_):
-                d2 = periodic_distance2(qc[:, None, :], cc[None, :, :], box)
-                ok = live[None, :] & (ci[None, :] != qid[:, None]) & near[:, None]
-                d2 = jnp.where(ok, d2, jnp.inf)
-                vals, pick = lax.top_k(jnp.concatenate([-run_d2, -d2], axis=1), k)
-                allr = jnp.concatenate([run_row, jnp.broadcast_to(rows, (Q, chunk))], axis=1)
-                return -vals, jnp.take_along_axis(allr, pick, axis=1)
+        init = (jnp.int32(0), jnp.full((block, kk), jnp.inf, dtype),
+                jnp.full((block, kk), R, int32))
+        _, d2, row = lax.while_loop(lambda s: s[0] < n_todo, chunk_body, init)
+        return b + 1, out_d2.at[sel].set(d2), out_row.at[sel].set(row)
 
-            run_d2, run_row = lax.cond(jnp.any(near), merge, lambda _: (run_d2, run_row), None)
-            return j + 1, run_d2, run_row
-
-        init = (jnp.int32(0), jnp.full((Q, k), jnp.inf, dtype), jnp.full((Q, k), R, int32))
-        _, d2, rows = lax.while_loop(lambda s: s[0] < n_chunks, step, init)
-        return d2, rows
-
-    def skip(_):
-        return jnp.full((Q, k), jnp.inf, dtype), jnp.full((Q, k), R, int32)
-
-    return lax.cond(jnp.any(relevant), compute, skip, None)
+    n_blocks = (n_rel + block - 1) // block
+    _, out_d2, out_row = lax.while_loop(lambda s: s[0] < n_blocks, block_body,
+                                        (jnp.int32(0), out_d2, out_row))
+    return out_d2[:Q], out_row[:Q]
 
 
 # ----------------------------------------------------------------------------------------
@@ -490,6 +521,17 @@ def _sort_ties(d2, ids, *extra):
     return tuple(jnp.stack(col, 1) for col in cols)
 
 
+def _drop_self(d2, ids, codes, self_id, k: int):
+    """From lists of k + 1 that may hold the query itself, the k nearest others."""
+    kk = d2.shape[1]
+    is_self = ids == self_id[:, None]
+    where_self = jnp.min(jnp.where(is_self, jnp.arange(kk), kk), axis=1)
+    j = jnp.arange(k)[None, :]
+    pick = jnp.where(j < where_self[:, None], j, j + 1)
+    take = lambda a: jnp.take_along_axis(a, pick, axis=1)
+    return take(d2), take(ids), take(codes)
+
+
 def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
                config: KNNConfig, n0: int, queries=None):
     """kNN on one device's extended rows.
@@ -511,7 +553,9 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     origin, cover_lo, cover_hi = frame.arrays(pencils, dtype)
     index, need_images = build_index(frame, ext, origin, image_rows)
     R = index.key.shape[0]
+    E = ext.pos.shape[0]
     self_mode = queries is None
+    kk = k + 1 if self_mode else k
     B = config.batch_size
 
     if self_mode:
@@ -537,40 +581,40 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
 
     d2, rows, cov, rho = _search(index, frame, origin, cover_lo, cover_hi, q, None, count, k,
                                  config, B, self_mode)
-    status, new_rho = _classify(frame, d2, cov, rho, k)
+    status, new_rho = _classify(frame, d2, cov, rho)
     status = jnp.where(qvalid, status, 0)
 
-    # Second searches, F queries at a time, until none is left.
+    # Second searches, F queries at a time (one query per batch: they are scattered),
+    # until none is left.
     F = min(config.retry_rows(n0), n_q)
 
     def retry_body(state):
-        d2, rows, status, rho_next, passes = state
+        d2, rows, status, rho_next = state
         pick, cnt = selection(status == 1, F)
         pc = jnp.clip(pick, 0, n_q - 1)
         sub = Queries(q.local[pc], q.canon[pc], q.id[pc], jnp.arange(F) < cnt, q.p[pc])
         sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
-                                         rho_next[pc], cnt, k, config, B, self_mode)
-        sstat, snew = _classify(frame, sd2, scov, srho, k)
+                                         rho_next[pc], cnt, k, config, 1, self_mode)
+        sstat, snew = _classify(frame, sd2, scov, srho)
         d2 = d2.at[pick].set(sd2, mode="drop")
         rows = rows.at[pick].set(srows, mode="drop")
         status = status.at[pick].set(sstat, mode="drop")
         rho_next = rho_next.at[pick].set(snew, mode="drop")
-        return d2, rows, status, rho_next, passes + 1
+        return d2, rows, status, rho_next
 
-    d2, rows, status, _, _ = lax.while_loop(lambda s: jnp.any(s[2] == 1), retry_body,
-                                            (d2, rows, status, new_rho, jnp.int32(0)))
+    d2, rows, status, _ = lax.while_loop(lambda s: jnp.any(s[2] == 1), retry_body,
+                                         (d2, rows, status, new_rho))
 
-    # Cross-device pass.
+    # Cross-device pass for spheres that leave the ghost layer.
+    D = pencils.num_devices
     F3 = min(config.remote_rows(n0), n_q)
-    far = status == 2
-    rpick, n_far = selection(far, F3)
+    rpick, n_far = selection(status == 2, F3)
     rpc = jnp.clip(rpick, 0, n_q - 1)
     r_live = jnp.arange(F3) < n_far
     rq_canon = q.canon[rpc]
     rq_id = jnp.where(r_live, q.id[rpc], -3)
-    rbound = jnp.where(r_live, d2[rpc, k - 1], 0)
+    rbound = jnp.where(r_live, d2[rpc, kk - 1], 0)
     any_far = psum_all(pencils, n_far) > 0
-
     own_sel, own_count = selection(index.owned, ext.owned)
     ext_mass = jnp.broadcast_to(ext_mass, ext.pos.shape[:1])
 
@@ -578,54 +622,58 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         gq = _all_gather(pencils, rq_canon).reshape(-1, 3)
         gid = _all_gather(pencils, rq_id).reshape(-1)
         gb = _all_gather(pencils, rbound).reshape(-1)
-        rd2, rrows = _remote_search(pencils, frame, index, own_sel, own_count, gq, gid, gb, k,
-                                    config.chunk_size)
-        return rd2, rrows
+        return _remote_search(pencils, frame, index, own_sel, own_count, gq, gid, gb, kk,
+                              config.chunk_size, min(64, D * F3))
 
-    D = pencils.num_devices
     rd2, rrows = lax.cond(any_far, remote,
-                          lambda _: (jnp.full((D * F3, k), jnp.inf, dtype),
-                                     jnp.full((D * F3, k), R, int32)), None)
-    # Differentiable payload of the remote answers, sent back to the asking devices.
+                          lambda _: (jnp.full((D * F3, kk), jnp.inf, dtype),
+                                     jnp.full((D * F3, kk), R, int32)), None)
+    # The answers go back to the asking devices with differentiable positions.
     rr = jnp.clip(rrows, 0, R - 1)
     rext = index.ext_row[rr]
     r_payload = (rd2, jnp.where(rrows < R, index.id[rr], -1), ext_pos[rext], ext_mass[rext])
     r_payload = jax.tree.map(lambda a: _all_to_all(pencils, a.reshape((D, F3) + a.shape[1:])),
                              r_payload)
-    # Merge the D answers of each remote query.
-    md2 = jnp.moveaxis(r_payload[0], 0, 1).reshape(F3, D * k)
-    vals, pickm = lax.top_k(-md2, k)
+    md2 = jnp.moveaxis(r_payload[0], 0, 1).reshape(F3, D * kk)
+    vals, pickm = lax.top_k(-md2, kk)
 
     def merged(a):
-        a = jnp.moveaxis(a, 0, 1).reshape((F3, D * k) + a.shape[3:])
+        a = jnp.moveaxis(a, 0, 1).reshape((F3, D * kk) + a.shape[3:])
         idx = pickm.reshape(pickm.shape + (1,) * (a.ndim - 2))
         return jnp.take_along_axis(a, idx, axis=1)
 
-    m_d2, m_id, m_pos, m_mass = (-vals,) + tuple(merged(a) for a in r_payload[1:])
+    m_d2, m_id = -vals, merged(r_payload[1])
+    r_pos, r_mass = merged(r_payload[2]), merged(r_payload[3])
 
-    # Assemble per query.
-    lr = jnp.clip(rows, 0, R - 1)
-    l_ext = index.ext_row[lr]
+    # Each neighbour is a code into [extended rows | remote answers].
     found = rows < R
+    lr = jnp.clip(rows, 0, R - 1)
+    codes = jnp.where(found, index.ext_row[lr], E)
     nb_id = jnp.where(found, index.id[lr], -1)
-    nb_pos = ext_pos[l_ext]
-    nb_mass = ext_mass[l_ext]
     ok = qvalid & (status == 0)
     target = jnp.where(r_live, rpick, n_q)
+    r_codes = E + 1 + jnp.arange(F3 * kk, dtype=int32).reshape(F3, kk)
     d2 = d2.at[target].set(m_d2, mode="drop")
-    nb_id = nb_id.at[target].set(m_id, mode="drop")
-    nb_pos = nb_pos.at[target].set(m_pos, mode="drop")
-    nb_mass = nb_mass.at[target].set(m_mass, mode="drop")
-    ok = ok.at[target].set(jnp.isfinite(m_d2[:, k - 1]), mode="drop")
-    d2, nb_id, nb_pos, nb_mass = _sort_ties(d2, nb_id, nb_pos, nb_mass)
+    nb_id = nb_id.at[target].set(jnp.where(jnp.isfinite(m_d2), m_id, -1), mode="drop")
+    codes = codes.at[target].set(jnp.where(jnp.isfinite(m_d2), r_codes, E), mode="drop")
+    ok = ok.at[target].set(jnp.isfinite(m_d2[:, kk - 1]), mode="drop")
 
-    # Back to owned-row (or query-row) order.
-    def to_home(a, fill):
-        buf = jnp.full((n_q,) + a.shape[1:], fill, a.dtype)
-        return buf.at[home].set(a, mode="drop")
+    # To owned-row (or query-row) order.
+    inv = jnp.full((n_q,), n_q, int32).at[home].set(jnp.arange(n_q, dtype=int32), mode="drop")
+    back = lambda a, fill: jnp.take(a, inv, axis=0, mode="fill", fill_value=fill)
+    d2, nb_id, codes, ok = back(d2, jnp.inf), back(nb_id, -1), back(codes, E), back(ok, False)
+    if self_mode:
+        own_id = jnp.where(jnp.arange(n_q) < ext.owned, ext.id[:n_q], -2)
+        d2, nb_id, codes = _drop_self(d2, nb_id, codes, own_id, k)
+    # Equal distances in id order (only runs when some row has a tie).
+    tie = jnp.any((d2[:, 1:] == d2[:, :-1]) & jnp.isfinite(d2[:, 1:]))
+    d2, nb_id, codes = lax.cond(tie, lambda a: _sort_ties(*a), lambda a: a, (d2, nb_id, codes))
 
-    nb = Neighbours(to_home(d2, jnp.inf), to_home(nb_id, -1), to_home(nb_pos, 0),
-                    to_home(nb_mass, 0), to_home(ok, False))
+    pos_table = jnp.concatenate([ext_pos, jnp.zeros((1, 3), ext_pos.dtype),
+                                 r_pos.reshape(-1, 3)])
+    mass_table = jnp.concatenate([ext_mass, jnp.zeros((1,), ext_mass.dtype),
+                                  r_mass.reshape(-1)])
+    nb = Neighbours(d2, nb_id, pos_table[codes], mass_table[codes], ok)
     needs = {"z images": need_images, "knn remote": n_far}
     limits = (("z images", Limit("DomainConfig.image_factor", image_rows, n0)),
               ("knn remote", Limit("KNNConfig.remote_factor", F3, n0)))
@@ -689,115 +737,143 @@ def _query_rows(query, devices: int):
     return flat, lead, m
 
 
+class _Spec(NamedTuple):
+    """Static settings of one kNN computation."""
+
+    k: int
+    width: float
+    config: KNNConfig
+    output: str  # "neighbours", "density" or "reduce"
+    reduce_fn: Callable | None
+    overdensity: bool
+
+
+def _finish(pencils: Pencils, spec: _Spec, nb: Neighbours, qpos, data, total_mass):
+    """Per-row outputs from the neighbours, on the device."""
+    k = spec.k
+    dist = neighbour_distances(qpos, nb, pencils.box_size)
+    if spec.output == "neighbours":
+        return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
+    if spec.output == "density":
+        rho = density_from(dist, nb.mass, k)
+        if spec.overdensity:
+            rho = rho / (total_mass / pencils.box_size ** 3) - 1
+        return {"rho": rho}
+    data = dict(data)
+    data["neighbour_mass"] = nb.mass
+    return {"value": spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)}
+
+
+def _domain_buffers(pencils: Pencils, config: KNNConfig, width: float, n0: int, grid: bool):
+    dom = config.domain
+    return (dom.transfer_rows(n0, grid), dom.capacity_rows(n0),
+            dom.ghost_rows(n0, width_fraction(pencils, width)))
+
+
+def _device_knn(pencils: Pencils, spec: _Spec, fields, valid, n0: int, grid: bool,
+                queries=None, qn0: int = 0, trip: bool = True):
+    """Migrate, build ghosts and run kNN for one device's rows.
+
+    ``fields`` hold ``pos``, ``id`` and ``mass`` (and optionally ``vel``) of this device's
+    input rows. ``queries`` is None (the particles themselves) or ``(pos, valid)`` rows of
+    query points. With ``trip`` the per-row outputs are routed back to the input rows (the
+    query rows for queries); otherwise self-mode outputs stay in domain order.
+
+    Returns ``(values, status, migrated)``.
+    """
+    k, width, config = spec.k, spec.width, spec.config
+    box = pencils.box_size
+    transfer, capacity, ghost_rows = _domain_buffers(pencils, config, width, n0, grid)
+    n = fields["pos"].shape[0]
+    dec = decompose(pencils, fields, valid, width, transfer, capacity, ghost_rows)
+    mig = dec.migrated
+    ext_mass = dec.ghosts.forward(pencils, mig.payload["mass"])
+    needs = {"transfer": mig.need_transfer, "capacity": mig.need_capacity,
+             "ghosts": dec.need_ghosts}
+    limits = (("transfer", Limit("DomainConfig.transfer_factor", transfer, n0)),
+              ("capacity", Limit("DomainConfig.capacity_factor", capacity, n0)),
+              ("ghosts", Limit("DomainConfig.ghost_factor", ghost_rows, n0)))
+    nonfinite = mig.nonfinite
+    total_mass = None
+    if spec.overdensity:
+        total_mass = psum_all(pencils, jnp.sum(jnp.where(mig.valid, mig.payload["mass"], 0)))
+    if queries is not None:
+        qpos_in, qvalid = queries
+        nq = qpos_in.shape[0]
+        dom = config.domain
+        q_transfer, q_capacity = dom.transfer_rows(qn0, False), dom.capacity_rows(qn0)
+        qfields = {"pos": wrap(qpos_in.reshape(-1, 3), box),
+                   "id": pencils.device_index() * nq + jnp.arange(nq, dtype=int32)}
+        qmig = migrate(pencils, qfields, qvalid, q_transfer, q_capacity)
+        nb, kneeds, klimits = knn_device(pencils, dec.ext, dec.ext.pos, ext_mass, k, width,
+                                         config, n0, queries=(qmig.payload["pos"], qmig.valid))
+        needs.update({"query transfer": qmig.need_transfer,
+                      "query capacity": qmig.need_capacity})
+        limits += (("query transfer", Limit("DomainConfig.transfer_factor", q_transfer, qn0)),
+                   ("query capacity", Limit("DomainConfig.capacity_factor", q_capacity, qn0)))
+        nonfinite = nonfinite + qmig.nonfinite
+        qpos = qmig.payload["pos"]
+        values = _finish(pencils, spec, nb, qpos, {"pos": qpos}, total_mass)
+        origin, count, rows_in, buffers = qmig.payload["origin"], qmig.count, nq, (q_transfer,
+                                                                                  q_capacity)
+        trip = True
+    else:
+        nb, kneeds, klimits = knn_device(pencils, dec.ext, dec.ext.pos, ext_mass, k, width,
+                                         config, n0)
+        data = {key: mig.payload[key] for key in ("pos", "id", "mass", "vel")
+                if key in mig.payload}
+        values = _finish(pencils, spec, nb, mig.payload["pos"], data, total_mass)
+        origin, count, rows_in, buffers = mig.payload["origin"], mig.count, n, (transfer,
+                                                                               capacity)
+    needs.update(kneeds)
+    limits += klimits
+    status = Status(pmax_all(pencils, needs), psum_all(pencils, nonfinite), limits)
+    if not trip:
+        return values, status, mig
+    values["ok"] = jnp.ones(nb.ok.shape, bool)
+    values = return_trip(pencils, values, origin, count, rows_in, *buffers)
+    back = values.pop("ok")
+    if spec.output == "neighbours":
+        values["dist"] = jnp.where(back[:, None], values["dist"], jnp.nan)
+        values["idx"] = jnp.where(back[:, None], values["idx"], -1)
+    elif spec.output == "density":
+        values["rho"] = jnp.where(back, values["rho"], jnp.nan)
+    return values, status, mig
+
+
 @functools.lru_cache(maxsize=32)
-def _knn_program(problem: Problem, in_specs, k: int, width: float, config: KNNConfig,
-                 output: str, reduce_fn, overdensity: bool, query_rows: int):
-    """Jitted shard_map program. ``output``: "neighbours", "density" or "reduce";
-    ``query_rows`` > 0 for query points (padded total), 0 for the particles themselves."""
+def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
+    """Jitted shard_map program; ``query_rows`` > 0 for query points (padded total)."""
     layout, pencils = problem.layout, problem.pencils
     n0 = layout.local_size
-    dom = config.domain
-    transfer, capacity = dom.transfer_rows(n0, layout.grid), dom.capacity_rows(n0)
-    ghost_rows = dom.ghost_rows(n0, width_fraction(pencils, width))
     D = pencils.num_devices
-    box = problem.box_size
-    qn0 = query_rows // D
-    q_transfer, q_capacity = dom.transfer_rows(qn0, False), dom.capacity_rows(qn0)
     dev_axes = _devices(pencils)
 
     def device(*blocks):
         blocks = list(blocks)
-        query_block = query_valid = None
+        queries = None
         if query_rows:
-            query_valid = blocks.pop()
-            query_block = blocks.pop()
+            qvalid = blocks.pop()
+            queries = (blocks.pop(), qvalid)
         fields, shape = local_fields(problem, *blocks)
         n = fields["pos"].shape[0]
         fields["mass"] = row_masses(problem, fields)
-        dec = decompose(pencils, fields, jnp.ones(n, bool), width, transfer, capacity, ghost_rows)
-        mig = dec.migrated
-        ext_mass = dec.ghosts.forward(pencils, mig.payload["mass"])
-        needs = {"transfer": mig.need_transfer, "capacity": mig.need_capacity,
-                 "ghosts": dec.need_ghosts}
-        limits = (("transfer", Limit("DomainConfig.transfer_factor", transfer, n0)),
-                  ("capacity", Limit("DomainConfig.capacity_factor", capacity, n0)),
-                  ("ghosts", Limit("DomainConfig.ghost_factor", ghost_rows, n0)))
-        nonfinite = mig.nonfinite
-        if query_rows:
-            nq = query_block.shape[0]
-            qfields = {"pos": wrap(query_block, box),
-                       "id": pencils.device_index() * nq + jnp.arange(nq, dtype=int32)}
-            qmig = migrate(pencils, qfields, query_valid, q_transfer, q_capacity)
-            nb, kneeds, klimits = knn_device(pencils, dec.ext, dec.ext.pos, ext_mass, k, width,
-                                             config, n0,
-                                             queries=(qmig.payload["pos"], qmig.valid))
-            needs.update({"query transfer": qmig.need_transfer,
-                          "query capacity": qmig.need_capacity})
-            limits += (("query transfer", Limit("DomainConfig.transfer_factor", q_transfer, qn0)),
-                       ("query capacity", Limit("DomainConfig.capacity_factor", q_capacity, qn0)))
-            nonfinite = nonfinite + qmig.nonfinite
-            qpos = qmig.payload["pos"]
-            data = {"pos": qpos}
-            origin, count, rows_in = qmig.payload["origin"], qmig.count, nq
-            trip = (q_transfer, q_capacity)
-        else:
-            nb, kneeds, klimits = knn_device(pencils, dec.ext, dec.ext.pos, ext_mass, k, width,
-                                             config, n0)
-            qpos = mig.payload["pos"]
-            data = {key: mig.payload[key] for key in ("pos", "id", "mass", "vel")
-                    if key in mig.payload}
-            origin, count, rows_in = mig.payload["origin"], mig.count, n
-            trip = (transfer, capacity)
-        needs.update(kneeds)
-        limits += klimits
-        dist = neighbour_distances(qpos, nb, box)
-        if output == "neighbours":
-            values = {"dist": dist, "idx": nb.id}
-        elif output == "density":
-            rho = density_from(dist, nb.mass, k)
-            if overdensity:
-                total = psum_all(pencils, jnp.sum(jnp.where(mig.valid, mig.payload["mass"], 0)))
-                rho = rho / (total / box ** 3) - 1
-            values = {"rho": rho}
-        else:
-            data["neighbour_mass"] = nb.mass
-            values = {"value": reduce_fn(dist, nb.id, data)}
-        values["ok"] = jnp.ones(nb.ok.shape, bool)
-        values = return_trip(pencils, values, origin, count, rows_in, *trip)
-        back = values.pop("ok")
-        if output == "neighbours":
-            values["dist"] = jnp.where(back[:, None], values["dist"], jnp.nan)
-            values["idx"] = jnp.where(back[:, None], values["idx"], -1)
-        elif output == "density":
-            values["rho"] = jnp.where(back, values["rho"], jnp.nan)
+        values, status, _ = _device_knn(pencils, spec, fields, jnp.ones(n, bool), n0,
+                                        layout.grid, queries, query_rows // D)
         if not query_rows:
             values = jax.tree.map(lambda a: a.reshape(shape + a.shape[1:]), values)
-        status = Status(pmax_all(pencils, needs), psum_all(pencils, nonfinite), limits)
         return values, status
 
     if query_rows:
-        qspec = P(dev_axes if dev_axes else None, None)
-        vspec = P(dev_axes if dev_axes else None)
-        in_specs = tuple(in_specs) + (qspec, vspec)
-        out_lead = vspec
+        lead = P(dev_axes if dev_axes else None)
+        in_specs = tuple(in_specs) + (P(dev_axes if dev_axes else None, None), lead)
     else:
-        out_lead = layout.spec
+        lead = layout.spec
 
     def run(*args):
-        out_specs = (jax.tree.map(lambda _: out_lead, _output_structure(output)), P())
-        if output == "reduce":
-            out_specs = (out_lead, P())
-        return layout.run(device, args, in_specs, out_specs)
+        return layout.run(device, args, in_specs, (lead, P()))
 
     return jax.jit(run)
-
-
-def _output_structure(output: str):
-    if output == "neighbours":
-        return {"dist": 0, "idx": 0}
-    if output == "density":
-        return {"rho": 0}
-    return {"value": 0}
 
 
 def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overdensity,
@@ -814,9 +890,8 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
         args = args + (flat.astype(args[0].dtype), jnp.arange(query_rows) < m)
     traced = is_traced(args)
     while True:
-        program = _knn_program(problem, in_specs, k, width, config, output, reduce_fn,
-                               bool(overdensity), query_rows)
-        values, status = program(*args)
+        spec = _Spec(k, width, config, output, reduce_fn, bool(overdensity))
+        values, status = _knn_program(problem, in_specs, spec, query_rows)(*args)
         if traced:
             break
         needed = int(np.max(np.asarray(status.needed["knn remote"])))
@@ -893,3 +968,91 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
         raise ValueError(f"knn_density needs k >= 2 (the estimator uses k - 1), got {k}")
     return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
                 with_status)
+
+
+def _pencils_from_axes(axes, box_size: float) -> Pencils:
+    x_axis, y_axis = axes
+    px = jax.lax.axis_size(x_axis) if x_axis else 1
+    py = jax.lax.axis_size(y_axis) if y_axis else 1
+    return Pencils(x_axis if px > 1 else None, y_axis if py > 1 else None, px, py, box_size)
+
+
+def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | None = None,
+              query=None, query_valid=None, reduce: Callable | None = None,
+              config: KNNConfig = KNNConfig(), n0: int | None = None):
+    """kNN on one device's particles, for use inside the caller's own ``shard_map``.
+
+    Args:
+      particles: this device's padded :class:`~jaxpm_halos.Particles` (rows, valid first);
+        ids must be global and unique.
+      k: number of neighbours.
+      axes: the caller's mesh axis names that cut the box along x and y (None for an axis
+        that is not cut). Device ``(i, j)`` of those axes owns pencil ``(i, j)``.
+      total: the global number of particles (sets the default ghost width; default: the
+        rows of ``particles`` times the number of devices).
+      query: optional ``(m, 3)`` query points held by this device (any positions), with
+        ``query_valid`` (m,) marking the real ones (default all).
+      reduce: optional ``fn(dist, idx, data)`` as in :func:`knn`.
+      n0: the mean particles per device that the capacity factors refer to (default: the
+        number of rows of ``particles``).
+
+    Returns:
+      Without ``query``: ``(domain, result, status)``: the particles this device owns after
+      migration (padded, valid first), the result for them in that order (``(dist, idx)``
+      or the ``reduce`` output), and the :class:`~jaxpm_halos.Status`. With ``query``:
+      ``(result, status)`` for the query rows in the caller's order. No error is raised
+      inside ``shard_map``: check ``status.ok`` (rows that could not be completed are NaN).
+    """
+    pencils = _pencils_from_axes(axes, particles.box_size)
+    n0 = particles.size if n0 is None else int(n0)
+    total = n0 * pencils.num_devices if total is None else int(total)
+    k = _check_k(k, total, query is None)
+    width = ghost_width(k, total, pencils, config)
+    output = "neighbours" if reduce is None else "reduce"
+    spec = _Spec(k, width, config, output, reduce, False)
+    fields = {"pos": wrap(particles.pos.reshape(-1, 3), particles.box_size),
+              "id": particles.id.reshape(-1), "mass": particles.masses()}
+    if particles.vel is not None:
+        fields["vel"] = particles.vel.reshape(-1, 3)
+    queries = None
+    if query is not None:
+        query = jnp.asarray(query).reshape(-1, 3)
+        qv = (jnp.ones(query.shape[0], bool) if query_valid is None
+              else jnp.asarray(query_valid, bool).reshape(-1))
+        queries = (query.astype(fields["pos"].dtype), qv)
+    values, status, mig = _device_knn(pencils, spec, fields, particles.valid(), n0, False,
+                                      queries, query.shape[0] if query is not None else 0,
+                                      trip=False)
+    result = (values["dist"], values["idx"]) if reduce is None else values["value"]
+    if query is not None:
+        return result, status
+    payload = mig.payload
+    domain = Particles(payload["pos"], payload["id"], mig.count, payload.get("vel"),
+                       payload["mass"], particles.box_size)
+    return domain, result, status
+
+
+def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int, width: float,
+                         *, mass=None, config: KNNConfig = KNNConfig(), n0: int):
+    """kNN of the owned particles of a shared :class:`~._domain.Decomposition`.
+
+    The decomposition's ghost layer must be at least ``width`` wide, with ``width`` at most
+    the layer it was built with (use :func:`ghost_width` for the default). ``mass`` gives
+    per-owned-row masses (default: the migrated ``mass`` field, else 1).
+
+    Returns ``(result, status)``: ``result`` holds, per owned row in the decomposition's
+    order, ``dist`` (rows, k) (differentiable, NaN in padding), ``idx`` (global ids, -1 in
+    padding), ``neighbour_mass`` (rows, k) and ``ok`` (rows,).
+    """
+    mig = decomposition.migrated
+    if mass is None:
+        mass = mig.payload.get("mass", jnp.ones(mig.payload["id"].shape, decomposition.ext.pos.dtype))
+    mass = jnp.broadcast_to(jnp.asarray(mass, decomposition.ext.pos.dtype),
+                            mig.payload["id"].shape)
+    ext_mass = decomposition.ghosts.forward(pencils, mass)
+    nb, needs, limits = knn_device(pencils, decomposition.ext, decomposition.ext.pos, ext_mass,
+                                   int(k), float(width), config, n0)
+    dist = neighbour_distances(mig.payload["pos"], nb, pencils.box_size)
+    result = {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1),
+              "neighbour_mass": nb.mass, "ok": nb.ok}
+    return result, Status(pmax_all(pencils, needs), jnp.int32(0), limits)
