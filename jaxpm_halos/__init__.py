@@ -25,3 +25,8 @@ from . import units  # noqa: E402
 from ._jaxpm import from_jaxpm  # noqa: E402
 
 __all__ += ["from_jaxpm", "units"]
+
+from ._config import KNNConfig  # noqa: E402
+from ._knn import knn, knn_density, knn_local, knn_on_decomposition  # noqa: E402
+
+__all__ += ["KNNConfig", "knn", "knn_density", "knn_local", "knn_on_decomposition"]
