@@ -30,3 +30,8 @@ from ._config import KNNConfig  # noqa: E402
 from ._knn import knn, knn_density, knn_local, knn_on_decomposition  # noqa: E402
 
 __all__ += ["KNNConfig", "knn", "knn_density", "knn_local", "knn_on_decomposition"]
+
+from .extension import EXTENSION, InSitu, Snapshot, register  # noqa: E402
+from .extension import check as check_insitu  # noqa: E402
+
+__all__ += ["EXTENSION", "InSitu", "Snapshot", "check_insitu", "register"]

@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 from ._catalogue import Catalogue, catalogue_rows
 from ._cells import compress, for_each_pair_chunk, half_shell_windows, sort_columns, union
 from ._config import FoFConfig
-from ._domain import (Decomposition, Extended, Ghosts, decompose, pmax_all, psum_all, return_trip,
-                      selection)
+from ._domain import (Decomposition, Extended, Ghosts, decompose, domain_status, pmax_all, psum_all,
+                      return_trip, selection)
 from ._frontend import Problem, local_fields, prepare, row_masses
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils, width_fraction
@@ -160,14 +160,9 @@ def _device_fof(pencils: Pencils, fields, valid, linking_length, min_members, co
     decomposition = decompose(pencils, fields, valid, width, transfer, capacity, ghost)
     labels, catalogue = fof_on_decomposition(pencils, decomposition, linking_length, width,
                                              min_members, config, n0)
-    limits = (("transfer", Limit("DomainConfig.transfer_factor", transfer, n0)),
-              ("capacity", Limit("DomainConfig.capacity_factor", capacity, n0)),
-              ("ghosts", Limit("DomainConfig.ghost_factor", ghost, n0)))
     migrated = decomposition.migrated
-    needs = {"transfer": migrated.need_transfer, "capacity": migrated.need_capacity,
-             "ghosts": decomposition.need_ghosts}
-    domain_status = Status(pmax_all(pencils, needs), psum_all(pencils, migrated.nonfinite), limits)
-    catalogue = dataclasses.replace(catalogue, status=domain_status.merge(catalogue.status))
+    status = domain_status(pencils, decomposition, transfer, capacity, ghost, n0)
+    catalogue = dataclasses.replace(catalogue, status=status.merge(catalogue.status))
     return migrated, labels, catalogue
 
 

@@ -39,8 +39,9 @@ from jax.sharding import PartitionSpec as P
 
 from ._catalogue import Catalogue
 from ._config import FoFConfig, KNNConfig
-from ._domain import Decomposition, decompose, pmax_all, psum_all, return_trip
+from ._domain import Decomposition, decompose, domain_status, return_trip
 from ._fof import fof_on_decomposition, ghost_width as fof_ghost_width
+from ._knn import density_from, ghost_width as knn_ghost_width, knn_on_decomposition
 from ._frontend import local_fields, prepare
 from ._geometry import grid_to_box
 from ._layout import Pencils, width_fraction
@@ -90,13 +91,13 @@ class Analysis:
       name: registry key.
       run: ``run(snapshot) -> pytree`` on one device.
       outputs: output kinds, a prefix pytree of ``"particle" | "device" | "replicated"``.
-      width: ``width(insitu) -> float``, the ghost layer the analysis needs (Mpc/h).
+      width: ``width(insitu, pencils) -> float``, the ghost layer the analysis needs (Mpc/h).
     """
 
     name: str
     run: Callable[[Snapshot], Any]
     outputs: Any
-    width: Callable[["InSitu"], float]
+    width: Callable[["InSitu", Pencils], float]
 
 
 REGISTRY: dict[str, Analysis] = {}
@@ -106,7 +107,7 @@ def register(name: str, *, outputs: Any = "particle", width: Callable | float = 
     """Decorator registering ``fn(snapshot) -> pytree`` as an in-situ analysis."""
 
     def wrap(fn):
-        width_fn = width if callable(width) else (lambda insitu, w=float(width): w)
+        width_fn = width if callable(width) else (lambda insitu, pencils, w=float(width): w)
         REGISTRY[name] = Analysis(name, fn, outputs, width_fn)
         return fn
 
@@ -125,7 +126,7 @@ def analysis(name: str) -> Analysis:
 # Built-in analyses
 
 
-def _fof_width(insitu: "InSitu") -> float:
+def _fof_width(insitu: "InSitu", pencils: Pencils) -> float:
     return fof_ghost_width(insitu.linking_length, insitu.box_size)
 
 
@@ -138,6 +139,28 @@ def _fof_analysis(snap: Snapshot):
         snap.pencils, snap.decomposition, insitu.linking_length, snap.width,
         insitu.min_members, insitu.fof, snap.n0)
     return {"labels": labels, "catalogue": dataclasses.replace(catalogue, num=catalogue.num[None])}
+
+
+def _knn_width(insitu: "InSitu", pencils: Pencils) -> float:
+    return knn_ghost_width(insitu.k, insitu.nc ** 3, pencils, insitu.knn)
+
+
+@register("knn_density", outputs={"density": "particle", "status": "replicated"},
+          width=_knn_width)
+def _knn_density_analysis(snap: Snapshot):
+    """kNN density ``(k - 1) m / (4/3 pi r_k^3)`` per particle, in (Msun/h) / (Mpc/h)^3 when
+    the :class:`InSitu` knows ``omega_m`` (else particles per (Mpc/h)^3), or the overdensity
+    ``rho / rho_mean - 1``. Exact: spheres that leave the ghost layer are completed across
+    devices."""
+    insitu = snap.insitu
+    result, status = knn_on_decomposition(snap.pencils, snap.decomposition, insitu.k,
+                                          _knn_width(insitu, snap.pencils), config=insitu.knn,
+                                          n0=snap.n0)
+    rho = density_from(result["dist"], result["neighbour_mass"], insitu.k)
+    if insitu.overdensity:
+        mean = insitu.nc ** 3 * snap.particles.mass[0] / insitu.box_size ** 3
+        rho = rho / mean - 1
+    return {"density": rho, "status": status}
 
 
 # ----------------------------------------------------------------------------------------
@@ -263,7 +286,7 @@ def _compiled(insitu: InSitu, problem, dtype):
     layout, pencils = problem.layout, problem.pencils
     n0 = layout.local_size
     selected = [analysis(name) for name in insitu.analyses]
-    width = max([a.width(insitu) for a in selected] + [0.0])
+    width = max([a.width(insitu, pencils) for a in selected] + [0.0])
     dom = insitu.fof.domain
     transfer, capacity = dom.transfer_rows(n0, True), dom.capacity_rows(n0)
     ghost = dom.ghost_rows(n0, width_fraction(pencils, width))
@@ -293,12 +316,7 @@ def _compiled(insitu: InSitu, problem, dtype):
                            capacity)
         back = iter(x.reshape(block + x.shape[1:]) for x in back)
         flat = [next(back) if kind == "particle" else x for x, kind in zip(flat, flat_kinds)]
-        needs = {"transfer": migrated.need_transfer, "capacity": migrated.need_capacity,
-                 "ghosts": decomposition.need_ghosts}
-        limits = (("transfer", Limit("DomainConfig.transfer_factor", transfer, n0)),
-                  ("capacity", Limit("DomainConfig.capacity_factor", capacity, n0)),
-                  ("ghosts", Limit("DomainConfig.ghost_factor", ghost, n0)))
-        domain = Status(pmax_all(pencils, needs), psum_all(pencils, migrated.nonfinite), limits)
+        domain = domain_status(pencils, decomposition, transfer, capacity, ghost, n0)
         return {"a": a, "domain": domain, **jax.tree.unflatten(tree, flat)}
 
     state_spec = P(None, *layout.spec, None)

@@ -1,0 +1,290 @@
+"""Benchmark suite: jaxpm_halos against the serial references, in one process.
+
+    python benchmarks/run.py                 # 32^3, 64^3, 128^3 (writes benchmarks/RESULTS.md)
+    python benchmarks/run.py --sizes 32 64   # a subset
+
+For each size (JaxPM z=0 snapshots with a box of 1 Mpc/h per particle spacing, made by the
+benchmark itself and cached in benchmarks/cache, and uniform random points of the same
+size) it times, after a warm-up, the minimum of several runs of:
+
+* FoF with its catalogue (b = 0.2, 20 members) through jaxpm_halos on 8 CPU devices with
+  mesh (2, 4) and on one device, against scipy (cKDTree.query_pairs + connected_components)
+  and kdcount's fof;
+* kNN density (k = 8 and 32) through jaxpm_halos against cKDTree.query(workers=-1);
+* the first call (compile) of each jaxpm_halos program;
+* one JaxPM PM step (a force evaluation) at the same size, and the in-situ cost of FoF plus
+  kNN density (k = 16) in one shared decomposition, as a ratio to it;
+* the peak memory of each jaxpm_halos function, in a child process (max RSS above the
+  process's RSS before the call), per particle.
+
+Every jaxpm_halos result is checked against the reference it is timed against; a wrong
+answer stops the benchmark. Figures compared are ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from scipy.sparse import coo_matrix  # noqa: E402
+from scipy.sparse.csgraph import connected_components  # noqa: E402
+from scipy.spatial import cKDTree  # noqa: E402
+
+import jaxpm_halos as jh  # noqa: E402
+
+B = 0.2
+MIN_MEMBERS = 20
+REPEATS = 3
+
+
+def mesh_of(shape):
+    return jax.make_mesh(shape, ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+
+
+def timed(fn, repeats=REPEATS):
+    """(first call seconds, min warm seconds, result)."""
+    t = time.perf_counter()
+    result = jax.block_until_ready(fn())
+    first = time.perf_counter() - t
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        result = jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return first, best, result
+
+
+def data(nc, kind, mesh):
+    """Positions as jaxpm_halos input (sharded over ``mesh`` or not) and as numpy."""
+    box = float(nc)
+    if kind == "jaxpm":
+        from snapshots import jaxpm_snapshot
+
+        snap = jaxpm_snapshot(nc, box, 20)
+        disp = snap.disp if mesh is None else jax.device_put(snap.disp, NamedSharding(mesh, P("x", "y")))
+        parts = jh.from_jaxpm(disp, None, box)
+        return parts, np.asarray(parts.pos).reshape(-1, 3), box
+    pos = np.random.default_rng(nc).uniform(0, box, (nc ** 3, 3)).astype(np.float32)
+    x = pos if mesh is None else jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
+    return x, pos, box
+
+
+def scipy_fof(pos, box, l):
+    pairs = cKDTree(pos, boxsize=box).query_pairs(l, output_type="ndarray")
+    n = len(pos)
+    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
+    return connected_components(graph, directed=False)[1]
+
+
+def canonical(labels):
+    """Relabel components by their smallest member index."""
+    n = len(labels)
+    smallest = np.full(labels.max() + 1, n)
+    np.minimum.at(smallest, labels, np.arange(n))
+    return smallest[labels]
+
+
+def min_time(fn, repeats=REPEATS):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def bench_size(nc, kind, rows):
+    mesh = mesh_of((2, 4))
+    x8, pos, box = data(nc, kind, mesh)
+    x1, _, _ = data(nc, kind, None)
+    n = len(pos)
+    l = B * box / nc
+    t_scipy, ref = min_time(lambda: canonical(scipy_fof(pos, box, l)))
+    import kdcount.cluster as kc
+    t_kd, kd = min_time(lambda: kc.fof(kc.dataset(pos.astype(np.float64), boxsize=box), l, np=0).labels)
+    if not np.array_equal(canonical(kd), ref):
+        raise AssertionError("kdcount and scipy disagree")
+    for label, x in (("8 dev (2,4)", x8), ("1 dev", x1)):
+        first, warm, (labels, cat) = timed(lambda: jh.fof(x, b=B, min_members=MIN_MEMBERS)
+                                           if kind == "jaxpm" else
+                                           jh.fof(x, box, b=B, min_members=MIN_MEMBERS))
+        if not np.array_equal(np.asarray(labels).reshape(-1), ref):
+            raise AssertionError(f"FoF labels differ from scipy at {nc}^3 {kind} {label}")
+        rows.append(dict(size=nc, kind=kind, what="fof", where=label, n=n, first=first,
+                         warm=warm, ref="scipy", ref_time=t_scipy, kdcount=t_kd,
+                         halos=int(np.sum(np.asarray(cat.num)))))
+        print(rows[-1], flush=True)
+    for k in (8, 32):
+        t_ref, (d, _) = min_time(lambda: cKDTree(pos, boxsize=box).query(pos, k=k + 1, workers=-1))
+        r_ref = d[:, k]
+        rho_ref = (k - 1) / (4 / 3 * np.pi * r_ref ** 3)
+        first, warm, rho = timed(lambda: jh.knn_density(x8, box, k) if kind != "jaxpm"
+                                 else jh.knn_density(x8, k=k))
+        rho = np.asarray(rho).reshape(-1)
+        if not np.allclose(rho, rho_ref, rtol=2e-5):
+            raise AssertionError(f"kNN density differs from cKDTree at {nc}^3 {kind} k={k}")
+        rows.append(dict(size=nc, kind=kind, what=f"knn_density k={k}", where="8 dev (2,4)",
+                         n=n, first=first, warm=warm, ref="cKDTree", ref_time=t_ref))
+        print(rows[-1], flush=True)
+
+
+def pm_and_insitu(nc, rows):
+    """One PM force evaluation vs in-situ FoF + kNN density (k=16), at nc^3 on (2, 4)."""
+    import jax_cosmo as jc
+    from jaxpm.pm import make_diffrax_ode
+    from snapshots import jaxpm_snapshot
+
+    mesh = mesh_of((2, 4))
+    snap = jaxpm_snapshot(nc, float(nc), 20)
+    sharding = NamedSharding(mesh, P("x", "y"))
+    y = jnp.stack([jax.device_put(snap.disp, sharding), jax.device_put(snap.mom, sharding)])
+    ode = make_diffrax_ode((nc,) * 3, paint_absolute_pos=False, halo_size=min(nc // 4, 24),
+                           sharding=sharding)
+    cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
+    step = jax.jit(lambda y: ode(1.0, y, cosmo))
+    _, t_pm, _ = timed(lambda: step(y))
+    insitu = jh.InSitu(box_size=float(nc), analyses=("fof", "knn_density"), k=16)
+    first, warm, _ = timed(lambda: insitu(y, 1.0))
+    rows.append(dict(size=nc, kind="jaxpm", what="in-situ fof+knn_density k=16",
+                     where="8 dev (2,4)", n=nc ** 3, first=first, warm=warm, ref="PM step",
+                     ref_time=t_pm))
+    print(rows[-1], flush=True)
+
+
+def child_memory(nc, what):
+    """Run one function in a fresh process and report its peak RSS growth in bytes."""
+    code = f"""
+import os, sys, resource
+sys.argv = ['x']
+sys.path.insert(0, {str(HERE)!r})
+import run as b
+import jax, numpy as np
+mesh = b.mesh_of((2, 4))
+x, pos, box = b.data({nc}, 'jaxpm', mesh)
+jax.block_until_ready(x.pos)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if {what!r} == 'fof':
+    jax.block_until_ready(b.jh.fof(x, b=b.B, min_members=b.MIN_MEMBERS)[0])
+else:
+    jax.block_until_ready(b.jh.knn_density(x, k=16))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print('RSS', base * 1024, peak * 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=1800, env=os.environ.copy())
+    line = [l for l in out.stdout.splitlines() if l.startswith("RSS")]
+    if not line:
+        raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
+    base, peak = map(int, line[0].split()[1:])
+    return base, peak
+
+
+def machine():
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__}, "
+            f"{len(jax.devices())} {jax.devices()[0].platform} devices")
+
+
+def report(rows, memory, path):
+    lines = [f"# jaxpm_halos benchmark results", "",
+             f"Measured {datetime.date.today()} on {machine()} by `python benchmarks/run.py`.",
+             "Times are the minimum of several warm runs; ratios compare figures measured in "
+             "the same process. Every jaxpm_halos result was checked against its reference.", "",
+             "| N | data | analysis | devices | jaxpm_halos (s) | reference | ref (s) | ratio | "
+             "kdcount (s) | first call (s) | halos |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['size']}^3 | {r['kind']} | {r['what']} | {r['where']} | "
+                     f"{r['warm']:.3f} | {r['ref']} | {r['ref_time']:.3f} | "
+                     f"{r['warm'] / r['ref_time']:.2f} | {r.get('kdcount', float('nan')):.3f} | "
+                     f"{r['first']:.1f} | {r.get('halos', '')} |")
+    if memory:
+        lines += ["", "## Peak memory (child process, RSS growth during the call)", "",
+                  "| N | analysis | RSS before (MiB) | peak (MiB) | bytes / particle |",
+                  "|---|---|---|---|---|"]
+        for (nc, what), (base, peak) in memory.items():
+            lines.append(f"| {nc}^3 | {what} | {base / 2**20:.0f} | {peak / 2**20:.0f} | "
+                         f"{(peak - base) / nc ** 3:.0f} |")
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    series = {}
+    for r in rows:
+        if r["kind"] != "jaxpm" or "in-situ" in r["what"]:
+            continue
+        series.setdefault(f"jaxpm_halos {r['what']} [{r['where']}]", []).append((r["n"], r["warm"]))
+        if r["what"] == "fof" and r["where"].startswith("8"):
+            series.setdefault("scipy fof", []).append((r["n"], r["ref_time"]))
+        if r["what"].startswith("knn_density k=8"):
+            series.setdefault("cKDTree k=8", []).append((r["n"], r["ref_time"]))
+    for name, points in series.items():
+        n, t = np.array(sorted(points)).T
+        ax.loglog(n, t, "o-" if "jaxpm_halos" in name else "s--", label=name)
+    if series:
+        n = np.array(sorted({p[0] for pts in series.values() for p in pts}), float)
+        ref = [pts for name, pts in series.items() if name.startswith("jaxpm_halos fof")]
+        t0 = sorted(ref[0])[0][1] if ref else 1.0
+        ax.loglog(n, t0 * n * np.log(n) / (n[0] * np.log(n[0])), "k:", label="N log N")
+    ax.set_xlabel("particles N")
+    ax.set_ylabel("warm time (s)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = parser.parse_args(argv)
+    rows, memory = [], {}
+    for nc in args.sizes:
+        for kind in ("jaxpm", "uniform"):
+            bench_size(nc, kind, rows)
+        if nc == 64 or nc == max(args.sizes):
+            pm_and_insitu(nc, rows)
+    if not args.no_memory:
+        for nc in args.sizes:
+            for what in ("fof", "knn_density k=16"):
+                memory[(nc, what)] = child_memory(nc, "fof" if what == "fof" else "knn")
+                print(nc, what, memory[(nc, what)], flush=True)
+    report(rows, memory, args.out)
+    plot(rows, Path(args.out).with_name("scaling.png"))
+    (Path(args.out).with_name("results.json")).write_text(json.dumps(rows, indent=1))
+    print(Path(args.out).read_text())
+
+
+if __name__ == "__main__":
+    main()
