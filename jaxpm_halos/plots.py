@@ -188,8 +188,8 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
     rat.set_ylim(0, 2)
     for axis in (ax, rat):
         axis.axvline(100 * particle_mass, color="0.6", ls=":", lw=1)
-    ax.text(100 * particle_mass, 0.97, " 100 particles", color="0.4", fontsize=8, va="top",
-            transform=ax.get_xaxis_transform())
+    ax.text(100 * particle_mass, 0.03, "100 particles ", color="0.4", fontsize=8, ha="right",
+            va="bottom", transform=ax.get_xaxis_transform())
     ax.set_ylabel(r"$dn/d\log_{10}M$  [$(h^{-1}\mathrm{Mpc})^{-3}$]")
     rat.set_ylabel("sim / Watson")
     rat.set_xlabel(r"$M$  [$h^{-1}M_\odot$]")
