@@ -47,7 +47,7 @@ from ._domain import (Decomposition, decompose, migrate, pmax_all, psum_all, ret
                       selection)
 from ._fof import z_images
 from ._frontend import Problem, local_fields, prepare, row_masses
-from ._geometry import periodic_distance2, wrap
+from ._geometry import periodic_delta, periodic_distance2, wrap
 from ._layout import Pencils, layout_of, width_fraction
 from ._particles import Particles, _check_box_size
 from ._status import Limit, Status, is_traced
@@ -126,6 +126,8 @@ class Index(NamedTuple):
     Attributes:
       key: (R,) sorted keys, int32 max after the ``n`` valid rows.
       canon: (R, 3) canonical positions (stopped gradients), used for every distance.
+      cx, cy, cz: (R,) the same, one array per coordinate (contiguous loads in the
+        distance kernels).
       local: (R, 3) positions in the device's frame.
       id: (R,) global ids.
       ext_row: (R,) extended row (:class:`~._domain.Extended`) each sorted row copies.
@@ -135,6 +137,9 @@ class Index(NamedTuple):
 
     key: jax.Array
     canon: jax.Array
+    cx: jax.Array
+    cy: jax.Array
+    cz: jax.Array
     local: jax.Array
     id: jax.Array
     ext_row: jax.Array
@@ -157,7 +162,8 @@ def build_index(frame: _Frame, ext, origin, image_rows: int):
     key, sid, order = lax.sort((key, ids, rows), num_keys=2)
     owned = (order < ext.owned) & (key != _SENTINEL)
     er = ext_row[order]
-    index = Index(key, canon_ext[er], local[order], sid, er, owned,
+    canon = canon_ext[er]
+    index = Index(key, canon, canon[:, 0], canon[:, 1], canon[:, 2], local[order], sid, er, owned,
                   jnp.sum(valid, dtype=int32))
     return index, need_images
 
@@ -178,6 +184,13 @@ class Queries(NamedTuple):
     id: jax.Array
     valid: jax.Array
     p: jax.Array
+
+
+def _distance2_cols(ax, ay, az, bx, by, bz, box):
+    """:func:`~._geometry.periodic_distance2` from separate coordinate arrays (broadcast),
+    which keeps every operation vectorised along the candidates (same values bitwise)."""
+    dx, dy, dz = (periodic_delta(a, b, box) for a, b in ((ax, bx), (ay, by), (az, bz)))
+    return dx * dx + dy * dy + dz * dz
 
 
 class _Plan(NamedTuple):
@@ -246,6 +259,13 @@ def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Quer
     start = search_sorted(index.key, jnp.left_shift(prefix, shift))
     end = search_sorted(index.key, jnp.left_shift(prefix + 1, shift))
     count = jnp.where(node_ok, end - start, 0)
+    # Nearest nodes first: the running k nearest become good early, which makes the
+    # later merges cheap.
+    centre = (qmin + qmax) / 2 - origin
+    mid = (nodes.astype(dtype) + 0.5) * node_side
+    dist = jnp.where(node_ok, jnp.sum((mid - centre) ** 2, axis=1), big)
+    order = jnp.argsort(dist)
+    start, count = start[order], count[order]
 
     # Complete region: the node box (unbounded at the frame's edges) within the ghost cover
     # and within half a box of every query of the batch; candidates outside that window are
@@ -277,20 +297,31 @@ def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, c
     first = cum - count
     total = cum[-1]
 
-    def step(state):
-        j, run_d2, run_row = state
-        t = j * chunk + jnp.arange(chunk, dtype=int32)
-        seg = jnp.minimum(search_sorted(cum, t + 1), count.shape[0] - 1)
+    qx, qy, qz = (q.canon[:, d][:, None] for d in range(3))
+
+    def merge(offset, width, run_d2, run_row):
+        t = offset + jnp.arange(width, dtype=int32)
+        # Range of each slot by counting range ends (vectorises far better than a search).
+        seg = jnp.minimum(jnp.sum(cum[None, :] <= t[:, None], axis=1, dtype=int32),
+                          count.shape[0] - 1)
         row = jnp.where(t < total, plan.start[seg] + t - first[seg], 0)
         local = index.local[row]
         live = (t < total) & jnp.all((local >= plan.lo) & (local <= plan.hi), axis=1)
-        neg = -periodic_distance2(q.canon[:, None, :], index.canon[row][None, :, :], box)
+        # Materialise the gathered candidates: fused into the distance kernel, the gather
+        # would be repeated for every query and the kernel would not vectorise.
+        live, cx, cy, cz = lax.optimization_barrier((live, index.cx[row], index.cy[row],
+                                                     index.cz[row]))
+        neg = -_distance2_cols(qx, qy, qz, cx[None, :], cy[None, :], cz[None, :], box)
         neg = jnp.where(live[None, :], neg, -jnp.inf)
         # The running list goes first: top_k then starts from a good heap and is cheap.
         vals, pick = lax.top_k(jnp.concatenate([-run_d2, neg], axis=1), kk)
         prev = jnp.take_along_axis(run_row, jnp.minimum(pick, kk - 1), axis=1)
         new_row = jnp.where(pick < kk, prev, row[jnp.maximum(pick - kk, 0)])
-        return j + 1, -vals, new_row
+        return -vals, new_row
+
+    def step(state):
+        j, run_d2, run_row = state
+        return (j + 1,) + merge(j * chunk, chunk, run_d2, run_row)
 
     n_chunks = (total + chunk - 1) // chunk
     init = (jnp.int32(0), jnp.full((B, kk), jnp.inf, q.canon.dtype), jnp.full((B, kk), R, int32))
