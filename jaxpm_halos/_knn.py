@@ -219,19 +219,18 @@ def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Quer
     qmin = jnp.where(any_valid, qmin, origin)
     qmax = jnp.where(any_valid, qmax, origin)
     full = jnp.asarray(frame.full, dtype)
-    if rho_q is None:
-        # The rows between the batch's first and last query in key order, over the volume
-        # of the batch's bounding box, estimate the local density.
-        p_lo = jnp.min(jnp.where(q.valid, q.p, R))
-        p_hi = jnp.max(jnp.where(q.valid, q.p, -1))
-        rows_in = jnp.maximum(p_hi - p_lo + 1, 1).astype(dtype)
-        extent = qmax - qmin
-        extent = jnp.maximum(extent, jnp.max(extent) / 4)
-        volume = jnp.prod(extent)
-        r_est = (3 * k * volume / (4 * np.pi * rows_in)) ** (1 / 3)
-        rho = jnp.where(volume > 0, radius_factor * r_est, 0)
-    else:
-        rho = jnp.max(jnp.where(q.valid, rho_q, 0))
+    # A negative radius asks for an estimate: the rows between the batch's first and last
+    # query in key order, over the volume of the batch's bounding box, give the density.
+    p_lo = jnp.min(jnp.where(q.valid, q.p, R))
+    p_hi = jnp.max(jnp.where(q.valid, q.p, -1))
+    rows_in = jnp.maximum(p_hi - p_lo + 1, 1).astype(dtype)
+    extent = qmax - qmin
+    extent = jnp.maximum(extent, jnp.max(extent) / 4)
+    volume = jnp.prod(extent)
+    r_est = (3 * k * volume / (4 * np.pi * rows_in)) ** (1 / 3)
+    estimate = jnp.where(volume > 0, radius_factor * r_est, 0)
+    given = jnp.max(jnp.where(q.valid, rho_q, 0))
+    rho = jnp.where(jnp.any(q.valid & (rho_q < 0)), jnp.maximum(estimate, given), given)
     rho = jnp.minimum(rho, full).astype(dtype)
 
     side = jnp.asarray(frame.side, dtype)
@@ -355,7 +354,7 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     qb = Queries(padq(q.local, 0), padq(q.canon, 0), padq(q.id, -2), padq(q.valid, False),
                  padq(q.p, 0))
     qb = jax.tree.map(lambda a: a.reshape((nb, batch) + a.shape[1:]), qb)
-    rb = None if rho_q is None else padq(rho_q, 0).reshape(nb, batch)
+    rb = padq(rho_q, 0).reshape(nb, batch)
     n_groups = (count + per_group - 1) // per_group
     plan_fn = jax.vmap(functools.partial(_plan_batch, index, frame, origin, cover_lo, cover_hi,
                                          k=k, radius_factor=cfg.radius_factor))
@@ -368,7 +367,7 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
         gi, plans = state
         s = gi * g
         cut = lambda a: lax.dynamic_slice_in_dim(a, s, g)
-        new = plan_fn(jax.tree.map(cut, qb), None if rb is None else cut(rb))
+        new = plan_fn(jax.tree.map(cut, qb), cut(rb))
         return gi + 1, jax.tree.map(lambda buf, v: lax.dynamic_update_slice_in_dim(buf, v, s, 0),
                                     plans, new)
 
@@ -536,20 +535,30 @@ class Neighbours(NamedTuple):
     ok: jax.Array
 
 
-def _sort_ties(d2, ids, *extra):
+def _sort_ties(d2, ids, codes):
     """Order each row by (d2, id): fixes the order of equal distances (odd-even
     transposition; rows are already sorted by d2)."""
     k = d2.shape[1]
-    cols = [list(a.T) if a.ndim == 2 else [a[:, i] for i in range(k)] for a in (d2, ids) + extra]
-    for rnd in range(k):
-        for i in range(rnd % 2, k - 1, 2):
-            a, b = cols[0][i], cols[0][i + 1]
-            swap = (b < a) | ((b == a) & (cols[1][i + 1] < cols[1][i]))
-            for col in cols:
-                x, y = col[i], col[i + 1]
-                sw = swap if x.ndim == 1 else swap[:, None]
-                col[i], col[i + 1] = jnp.where(sw, y, x), jnp.where(sw, x, y)
-    return tuple(jnp.stack(col, 1) for col in cols)
+    if k < 2:
+        return d2, ids, codes
+    parity = jnp.arange(k - 1) % 2
+
+    def one_round(r, arrays):
+        d2, ids, codes = arrays
+        swap = (parity == r % 2) & ((d2[:, 1:] < d2[:, :-1])
+                                    | ((d2[:, 1:] == d2[:, :-1]) & (ids[:, 1:] < ids[:, :-1])))
+        no = jnp.zeros_like(swap[:, :1])
+        with_next = jnp.concatenate([swap, no], axis=1)
+        with_prev = jnp.concatenate([no, swap], axis=1)
+
+        def apply(x):
+            nxt = jnp.concatenate([x[:, 1:], x[:, -1:]], axis=1)
+            prv = jnp.concatenate([x[:, :1], x[:, :-1]], axis=1)
+            return jnp.where(with_next, nxt, jnp.where(with_prev, prv, x))
+
+        return apply(d2), apply(ids), apply(codes)
+
+    return lax.fori_loop(0, k, one_round, (d2, ids, codes))
 
 
 def _drop_self(d2, ids, codes, self_id, k: int):
@@ -610,22 +619,16 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         q = Queries(qs, qs, jnp.full((n_q,), -2, int32), qvalid, search_sorted(index.key, qkey))
         home = jnp.where(qvalid, order, n_q)
 
-    d2, rows, cov, rho = _search(index, frame, origin, cover_lo, cover_hi, q, None, count, k,
-                                 config, B, self_mode)
-    status, new_rho = _classify(frame, d2, cov, rho)
-    status = jnp.where(qvalid, status, 0)
-
-    # Second searches, F queries at a time (one query per batch: they are scattered),
-    # until none is left.
-    F = min(config.retry_rows(n0), n_q)
-
-    def retry_body(state):
+    # Searches: first every query with an estimated radius, then the queries whose k-th
+    # neighbour lay beyond the region they searched, with that distance as radius, until
+    # every query is exact or needs the cross-device pass. Passes reuse one program.
+    def search_pass(state):
         d2, rows, status, rho_next = state
-        pick, cnt = selection(status == 1, F)
+        pick, cnt = selection(status == 1, n_q)
         pc = jnp.clip(pick, 0, n_q - 1)
-        sub = Queries(q.local[pc], q.canon[pc], q.id[pc], jnp.arange(F) < cnt, q.p[pc])
+        sub = Queries(q.local[pc], q.canon[pc], q.id[pc], jnp.arange(n_q) < cnt, q.p[pc])
         sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
-                                         rho_next[pc], cnt, k, config, 1, self_mode)
+                                         rho_next[pc], cnt, k, config, B, self_mode)
         sstat, snew = _classify(frame, sd2, scov, srho)
         d2 = d2.at[pick].set(sd2, mode="drop")
         rows = rows.at[pick].set(srows, mode="drop")
@@ -633,8 +636,9 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         rho_next = rho_next.at[pick].set(snew, mode="drop")
         return d2, rows, status, rho_next
 
-    d2, rows, status, _ = lax.while_loop(lambda s: jnp.any(s[2] == 1), retry_body,
-                                         (d2, rows, status, new_rho))
+    init = (jnp.full((n_q, kk), jnp.inf, dtype), jnp.full((n_q, kk), R, int32),
+            qvalid.astype(int32), jnp.full((n_q,), -1, dtype))
+    d2, rows, status, _ = lax.while_loop(lambda s: jnp.any(s[2] == 1), search_pass, init)
 
     # Cross-device pass for spheres that leave the ghost layer.
     D = pencils.num_devices
@@ -691,7 +695,13 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
 
     # To owned-row (or query-row) order.
     inv = jnp.full((n_q,), n_q, int32).at[home].set(jnp.arange(n_q, dtype=int32), mode="drop")
-    back = lambda a, fill: jnp.take(a, inv, axis=0, mode="fill", fill_value=fill)
+    inv_ok = inv < n_q
+    inv_c = jnp.minimum(inv, n_q - 1)
+
+    def back(a, fill):
+        mask = inv_ok.reshape(inv_ok.shape + (1,) * (a.ndim - 1))
+        return jnp.where(mask, a[inv_c], fill)
+
     d2, nb_id, codes, ok = back(d2, jnp.inf), back(nb_id, -1), back(codes, E), back(ok, False)
     if self_mode:
         own_id = jnp.where(jnp.arange(n_q) < ext.owned, ext.id[:n_q], -2)
