@@ -106,10 +106,11 @@ class KNNConfig:
       radius_factor: first-pass search radius relative to the estimate from the nearest
         rows in key order. Queries whose k-th neighbour lies beyond the searched region are
         searched again with their exact bound.
-      retry_factor: rows per pass of the second search, in units of ``n0`` (passes repeat
-        until every query is done, so this never overflows).
       remote_factor: rows per device for queries whose search sphere leaves the ghost
         layer (solved against every device's particles), in units of ``n0``; at least 32.
+        ``None`` picks 1/64, or 1 when the ghost layer had to be capped at the pencil
+        width (pencils narrower than the neighbour spheres). The public functions rerun
+        with a larger value when it overflows.
       domain: the domain exchange buffers.
     """
 
@@ -119,12 +120,11 @@ class KNNConfig:
     chunk_size: int = 256
     group_size: int = 16
     radius_factor: float = 1.0
-    retry_factor: float = 0.125
-    remote_factor: float = 1 / 64
+    remote_factor: float | None = None
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
 
-    def retry_rows(self, n0: int) -> int:
-        return max(self.batch_size, _rows(self.retry_factor, n0))
-
-    def remote_rows(self, n0: int) -> int:
-        return max(32, _rows(self.remote_factor, n0))
+    def remote_rows(self, n0: int, capped: bool = False) -> int:
+        factor = self.remote_factor
+        if factor is None:
+            factor = 1.0 if capped else 1 / 64
+        return min(n0 * 2, max(32, _rows(factor, n0)))

@@ -56,6 +56,7 @@ int32 = jnp.int32
 _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
+_GAP = 2.0
 
 
 # ----------------------------------------------------------------------------------------
@@ -68,15 +69,18 @@ def uniform_knn_radius(k: int, total: int, box_size: float) -> float:
     return (3 * k / (4 * math.pi * density)) ** (1 / 3)
 
 
+def _requested_width(k: int, total: int, box_size: float, config: KNNConfig) -> float:
+    if config.ghost_width is not None:
+        return max(float(config.ghost_width), 0.0)
+    return config.ghost_factor * uniform_knn_radius(k, total, box_size)
+
+
 def ghost_width(k: int, total: int, pencils: Pencils, config: KNNConfig = KNNConfig()) -> float:
     """Ghost layer used by kNN: ``config.ghost_width`` or ``ghost_factor`` times the uniform
     k-th neighbour distance, capped at the narrower pencil side (a wider sphere is completed
     by the cross-device pass)."""
     wx, wy = pencils.widths
-    width = config.ghost_width
-    if width is None:
-        width = config.ghost_factor * uniform_knn_radius(k, total, pencils.box_size)
-    return float(min(max(float(width), 0.0), wx, wy))
+    return float(min(_requested_width(k, total, pencils.box_size, config), wx, wy))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +195,24 @@ def _distance2_cols(ax, ay, az, bx, by, bz, box):
     which keeps every operation vectorised along the candidates (same values bitwise)."""
     dx, dy, dz = (periodic_delta(a, b, box) for a, b in ((ax, bx), (ay, by), (az, bz)))
     return dx * dx + dy * dy + dz * dz
+
+
+def _batch_slots(local, valid, batch: int, gap: float):
+    """Slots of queries (in key order, valid first) in batches of ``batch``: a batch ends
+    early where the next query is farther than ``gap`` from the previous one, so scattered
+    queries (e.g. the few searched again) get small batches of their own. Returns the slot
+    of each query (``n`` where none is left) and the number of slots used."""
+    n = local.shape[0]
+    i = jnp.arange(n, dtype=int32)
+    step = jnp.sqrt(jnp.sum((local - jnp.roll(local, 1, axis=0)) ** 2, axis=1))
+    brk = (i == 0) | (step > gap)
+    run_start = lax.cummax(jnp.where(brk, i, 0))
+    in_run = i - run_start
+    brk = brk | (in_run % batch == 0)
+    slot = (jnp.cumsum(brk.astype(int32)) - 1) * batch + in_run % batch
+    slot = jnp.where(valid & (slot < n), slot, n)
+    used = jnp.max(jnp.where(slot < n, slot + 1, 0))
+    return slot, used
 
 
 class _Plan(NamedTuple):
@@ -622,18 +644,28 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     # Searches: first every query with an estimated radius, then the queries whose k-th
     # neighbour lay beyond the region they searched, with that distance as radius, until
     # every query is exact or needs the cross-device pass. Passes reuse one program.
+    gap = _GAP * uniform_knn_radius(k, n0 * pencils.num_devices, pencils.box_size)
+
     def search_pass(state):
         d2, rows, status, rho_next = state
         pick, cnt = selection(status == 1, n_q)
         pc = jnp.clip(pick, 0, n_q - 1)
-        sub = Queries(q.local[pc], q.canon[pc], q.id[pc], jnp.arange(n_q) < cnt, q.p[pc])
+        live = jnp.arange(n_q) < cnt
+        slot, used = _batch_slots(q.local[pc], live, B, gap)
+        put = lambda a, fill: jnp.full(a.shape, fill, a.dtype).at[slot].set(a, mode="drop")
+        sub = Queries(put(q.local[pc], 0), put(q.canon[pc], 0), put(q.id[pc], -2),
+                      put(live, False), put(q.p[pc], 0))
         sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
-                                         rho_next[pc], cnt, k, config, B, self_mode)
+                                         put(rho_next[pc], 0), used, k, config, B, self_mode)
         sstat, snew = _classify(frame, sd2, scov, srho)
-        d2 = d2.at[pick].set(sd2, mode="drop")
-        rows = rows.at[pick].set(srows, mode="drop")
-        status = status.at[pick].set(sstat, mode="drop")
-        rho_next = rho_next.at[pick].set(snew, mode="drop")
+        # Queries that found no slot this pass stay for the next one.
+        done = live & (slot < n_q)
+        target = jnp.where(done, pick, n_q)
+        sc = jnp.minimum(slot, n_q - 1)
+        d2 = d2.at[target].set(sd2[sc], mode="drop")
+        rows = rows.at[target].set(srows[sc], mode="drop")
+        status = status.at[target].set(sstat[sc], mode="drop")
+        rho_next = rho_next.at[target].set(snew[sc], mode="drop")
         return d2, rows, status, rho_next
 
     init = (jnp.full((n_q, kk), jnp.inf, dtype), jnp.full((n_q, kk), R, int32),
@@ -642,7 +674,9 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
 
     # Cross-device pass for spheres that leave the ghost layer.
     D = pencils.num_devices
-    F3 = min(config.remote_rows(n0), n_q)
+    capped = width < _requested_width(k, n0 * pencils.num_devices, pencils.box_size,
+                                      config) * (1 - 1e-6)
+    F3 = min(config.remote_rows(n0, capped), n_q)
     rpick, n_far = selection(status == 2, F3)
     rpc = jnp.clip(rpick, 0, n_q - 1)
     r_live = jnp.arange(F3) < n_far
@@ -937,7 +971,8 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
             break
         needed = int(np.max(np.asarray(status.needed["knn remote"])))
         limit = dict(status.limits)["knn remote"]
-        if needed <= limit.rows or limit.rows >= _max_remote(problem):
+        capacity = config.domain.capacity_rows(problem.layout.local_size)
+        if needed <= limit.rows or limit.rows >= capacity:
             break
         # Too many spheres left the ghost layers: rerun with room for all of them.
         factor = math.ceil(needed * 1.25 / limit.scale * 1000) / 1000
@@ -952,10 +987,6 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
     if not self_mode:
         result = jax.tree.map(lambda a: a[:m].reshape(lead + a.shape[1:]), result)
     return (result, status) if with_status else result
-
-
-def _max_remote(problem: Problem) -> int:
-    return problem.layout.local_size * 2 * problem.pencils.num_devices
 
 
 def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callable | None = None,
