@@ -1,0 +1,134 @@
+"""Pencil-domain exchange: conservation, ghost completeness and the return trip, on every
+mesh, for random flat input and for a real JaxPM grid; overflow reporting."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxpm_halos as jh
+from jaxpm_halos._domain import decompose, domain_status, return_trip
+from jaxpm_halos._frontend import local_fields, prepare
+from conftest import make_mesh
+
+BOX = 16.0
+
+
+def _run(x, mesh, width, config=jh.DomainConfig(), box=BOX):
+    """Migrate + ghosts + return trip of the particle ids; returns per-device arrays."""
+    problem, args, specs = prepare(x, box, mesh=mesh)
+    layout, pencils = problem.layout, problem.pencils
+    n0 = layout.local_size
+    grid = layout.grid
+    transfer, capacity = config.transfer_rows(n0, grid), config.capacity_rows(n0)
+    ghost = config.ghost_rows(n0, width / min(pencils.widths))
+
+    def device(*blocks):
+        fields, shape = local_fields(problem, *blocks)
+        n = fields["pos"].shape[0]
+        dec = decompose(pencils, fields, jnp.ones(n, bool), width, transfer, capacity, ghost)
+        mig = dec.migrated
+        back = return_trip(pencils, mig.payload["id"], mig.payload["origin"], mig.count, n,
+                           transfer, capacity)
+        status = domain_status(pencils, dec, transfer, capacity, ghost, n0)
+        ext = dec.ext
+        return (ext.pos[None], ext.image[None], ext.id[None], back.reshape(shape),
+                fields["id"].reshape(shape), status)
+
+    dev = layout.device_spec
+    out = jax.jit(lambda *a: layout.run(device, a, specs, (dev, dev, dev, layout.spec,
+                                                           layout.spec, P())))(*args)
+    return out, pencils, capacity
+
+
+def _check(out, pencils, capacity, pos, width, box=BOX):
+    epos, eimg, eid, back, ids, status = out
+    status.check()
+    ndev = pencils.num_devices
+    eimg = np.asarray(eimg).reshape(ndev, -1, 2)
+    eid = np.asarray(eid).reshape(ndev, -1)
+    ids = np.asarray(ids).reshape(-1)
+    n = len(ids)
+    # Conservation: every id owned exactly once, and by the pencil holding its position.
+    owned = np.concatenate([e[:capacity][e[:capacity] >= 0] for e in eid])
+    np.testing.assert_array_equal(np.sort(owned), np.arange(n))
+    # Round trip: the ids come back exactly in the input layout.
+    np.testing.assert_array_equal(np.asarray(back).reshape(-1), ids)
+    # Ghosts: every periodic image within `width` of the pencil, and nothing else.
+    wpos = np.zeros((n, 3))
+    wpos[ids] = np.mod(pos.reshape(-1, 3), box)
+    wx, wy = pencils.widths
+    for d in range(ndev):
+        i, j = divmod(d, pencils.py)
+        lo, hi = np.array([i * wx, j * wy]), np.array([(i + 1) * wx, (j + 1) * wy])
+        home = np.all((wpos[:, :2] >= lo) & (wpos[:, :2] < hi), 1)
+        assert set(eid[d, :capacity][eid[d, :capacity] >= 0]) == set(np.nonzero(home)[0])
+        got = {(eid[d, k], eimg[d, k, 0], eimg[d, k, 1]) for k in range(capacity, eid.shape[1])
+               if eid[d, k] >= 0}
+        want = set()
+        for sx in (-1, 0, 1):
+            for sy in (-1, 0, 1):
+                q = wpos[:, :2] + box * np.array([sx, sy])
+                near = np.all((q >= lo - width) & (q < hi + width), 1)
+                if sx == sy == 0:
+                    near &= ~home
+                want |= {(k, sx, sy) for k in np.nonzero(near)[0]}
+        assert got == want, f"device {d}: {len(got - want)} extra, {len(want - got)} missing"
+
+
+@pytest.fixture(scope="module")
+def flat():
+    rng = np.random.default_rng(0)
+    pos = rng.uniform(0, BOX, (4096, 3)).astype(np.float32)
+    pos[:4] = 0.0
+    pos[4:8] = BOX  # wraps to 0
+    pos[8:16] = pos[100]  # duplicates
+    pos[16:24] = rng.uniform(-BOX, 2 * BOX, (8, 3))  # outside the box
+    return pos
+
+
+@pytest.mark.parametrize("width_fraction", [0.1, 1.0])
+def test_flat_random_input_on_every_mesh(flat, mesh, width_fraction):
+    if mesh.size == 1:
+        x, pencils_width = flat, BOX
+    else:
+        x = jax.device_put(flat, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+        shape = tuple(mesh.shape.values())
+        pencils_width = min(BOX / shape[0], BOX / shape[1])
+    width = width_fraction * pencils_width * 0.999
+    # A full-width layer on each face: the y stage forwards owned rows and both x layers.
+    config = jh.DomainConfig(ghost_factor=3.5 if width_fraction == 1.0 else None)
+    out, pencils, capacity = _run(x, mesh if mesh.size > 1 else None, width, config)
+    _check(out, pencils, capacity, flat, width)
+
+
+def test_unsharded_input_has_periodic_self_images(flat):
+    width = 1.0
+    out, pencils, capacity = _run(flat, None, width)
+    assert pencils.num_devices == 1
+    _check(out, pencils, capacity, flat, width)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8), (8, 1)])
+def test_jaxpm_grid_strays_migrate_and_return(jaxpm_snapshot_32, shape):
+    snap = jaxpm_snapshot_32
+    mesh = make_mesh(shape)
+    disp = jax.device_put(snap.disp, NamedSharding(mesh, P("x", "y")))
+    parts = jh.from_jaxpm(disp, None, snap.box_size)
+    width = 0.5
+    out, pencils, capacity = _run(parts, None, width, box=snap.box_size)
+    _check(out, pencils, capacity, np.asarray(parts.pos), width, box=snap.box_size)
+
+
+def test_overflow_is_reported_with_a_value_that_fits(flat):
+    mesh = make_mesh((2, 4))
+    x = jax.device_put(flat, NamedSharding(mesh, P(("x", "y"))))
+    out, _, _ = _run(x, mesh, 0.5, jh.DomainConfig(transfer_factor=0.05))
+    status = out[-1]
+    assert not bool(status.ok)
+    with pytest.raises(jh.CapacityError, match=r"transfer_factor=([0-9.]+)") as info:
+        status.check()
+    value = float(info.value.args[0].split("transfer_factor=")[1].rstrip(").").split(")")[0])
+    out, pencils, capacity = _run(x, mesh, 0.5, jh.DomainConfig(transfer_factor=value))
+    _check(out, pencils, capacity, flat, 0.5)
