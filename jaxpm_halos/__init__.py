@@ -35,3 +35,7 @@ from .extension import EXTENSION, InSitu, Snapshot, register  # noqa: E402
 from .extension import check as check_insitu  # noqa: E402
 
 __all__ += ["EXTENSION", "InSitu", "Snapshot", "check_insitu", "register"]
+
+from .io import LoadedCatalogue, gather_catalogue, load_catalogue, write_catalogue  # noqa: E402
+
+__all__ += ["LoadedCatalogue", "gather_catalogue", "load_catalogue", "write_catalogue"]
