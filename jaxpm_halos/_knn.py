@@ -177,17 +177,40 @@ def build_index(frame: _Frame, ext, origin, image_rows: int):
 
 
 class Queries(NamedTuple):
-    """Queries in key order (padding after the valid ones).
+    """Query rows packed in two arrays (fewer arrays to move, smaller programs).
 
-    ``id`` is the global id excluded from the query's neighbours (-2 for none); ``p`` is
-    the sorted row where the query's key sits (its own row for owned particles).
+    ``f`` (n, 6) holds the position in the device's frame and the canonical position;
+    ``i`` (n, 3) the global id excluded from the query's neighbours (-2 for none), a valid
+    flag, and the sorted row where the query's key sits (its own row for owned particles).
     """
 
-    local: jax.Array
-    canon: jax.Array
-    id: jax.Array
-    valid: jax.Array
-    p: jax.Array
+    f: jax.Array
+    i: jax.Array
+
+    @classmethod
+    def make(cls, local, canon, ids, valid, p):
+        return cls(jnp.concatenate([local, canon], axis=-1),
+                   jnp.stack([ids, valid.astype(int32), p], axis=-1))
+
+    @property
+    def local(self):
+        return self.f[..., :3]
+
+    @property
+    def canon(self):
+        return self.f[..., 3:]
+
+    @property
+    def id(self):
+        return self.i[..., 0]
+
+    @property
+    def valid(self):
+        return self.i[..., 1] > 0
+
+    @property
+    def p(self):
+        return self.i[..., 2]
 
 
 def _distance2_cols(ax, ay, az, bx, by, bz, box):
@@ -373,8 +396,7 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     def padq(a, fill):
         return jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)]) if pad else a
 
-    qb = Queries(padq(q.local, 0), padq(q.canon, 0), padq(q.id, -2), padq(q.valid, False),
-                 padq(q.p, 0))
+    qb = Queries(padq(q.f, 0), padq(q.i, 0))
     qb = jax.tree.map(lambda a: a.reshape((nb, batch) + a.shape[1:]), qb)
     rb = padq(rho_q, 0).reshape(nb, batch)
     n_groups = (count + per_group - 1) // per_group
@@ -625,7 +647,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         sel, count = selection(index.owned, n_q)
         qvalid = jnp.arange(n_q) < count
         sc = jnp.clip(sel, 0, R - 1)
-        q = Queries(index.local[sc], index.canon[sc], jnp.where(qvalid, index.id[sc], -2),
+        q = Queries.make(index.local[sc], index.canon[sc], jnp.where(qvalid, index.id[sc], -2),
                     qvalid, sc)
         home = jnp.where(qvalid, index.ext_row[sc], n_q)  # owned row of each query
     else:
@@ -638,7 +660,8 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         count = jnp.sum(qv, dtype=int32)
         qvalid = jnp.arange(n_q) < count
         qs = qpos[order]
-        q = Queries(qs, qs, jnp.full((n_q,), -2, int32), qvalid, search_sorted(index.key, qkey))
+        q = Queries.make(qs, qs, jnp.full((n_q,), -2, int32), qvalid,
+                         search_sorted(index.key, qkey))
         home = jnp.where(qvalid, order, n_q)
 
     # Searches: first every query with an estimated radius, then the queries whose k-th
@@ -646,31 +669,31 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     # every query is exact or needs the cross-device pass. Passes reuse one program.
     gap = _GAP * uniform_knn_radius(k, n0 * pencils.num_devices, pencils.box_size)
 
+    # Per query: [d2 (kk) | next radius] and [rows (kk) | status] (packed: fewer arrays).
     def search_pass(state):
-        d2, rows, status, rho_next = state
-        pick, cnt = selection(status == 1, n_q)
+        fs, is_ = state
+        pick, cnt = selection(is_[:, kk] == 1, n_q)
         pc = jnp.clip(pick, 0, n_q - 1)
         live = jnp.arange(n_q) < cnt
-        slot, used = _batch_slots(q.local[pc], live, B, gap)
-        put = lambda a, fill: jnp.full(a.shape, fill, a.dtype).at[slot].set(a, mode="drop")
-        sub = Queries(put(q.local[pc], 0), put(q.canon[pc], 0), put(q.id[pc], -2),
-                      put(live, False), put(q.p[pc], 0))
+        qf, qi = q.f[pc], q.i[pc]
+        slot, used = _batch_slots(qf[:, :3], live, B, gap)
+        put = lambda a: jnp.zeros(a.shape, a.dtype).at[slot].set(a, mode="drop")
+        sub = Queries(put(qf), put(jnp.stack([qi[:, 0], live.astype(int32), qi[:, 2]], 1)))
         sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
-                                         put(rho_next[pc], 0), used, k, config, B, self_mode)
+                                         put(fs[pc, kk]), used, k, config, B, self_mode)
         sstat, snew = _classify(frame, sd2, scov, srho)
         # Queries that found no slot this pass stay for the next one.
-        done = live & (slot < n_q)
-        target = jnp.where(done, pick, n_q)
+        target = jnp.where(live & (slot < n_q), pick, n_q)
         sc = jnp.minimum(slot, n_q - 1)
-        d2 = d2.at[target].set(sd2[sc], mode="drop")
-        rows = rows.at[target].set(srows[sc], mode="drop")
-        status = status.at[target].set(sstat[sc], mode="drop")
-        rho_next = rho_next.at[target].set(snew[sc], mode="drop")
-        return d2, rows, status, rho_next
+        fs = fs.at[target].set(jnp.concatenate([sd2, snew[:, None]], 1)[sc], mode="drop")
+        is_ = is_.at[target].set(jnp.concatenate([srows, sstat[:, None]], 1)[sc], mode="drop")
+        return fs, is_
 
-    init = (jnp.full((n_q, kk), jnp.inf, dtype), jnp.full((n_q, kk), R, int32),
-            qvalid.astype(int32), jnp.full((n_q,), -1, dtype))
-    d2, rows, status, _ = lax.while_loop(lambda s: jnp.any(s[2] == 1), search_pass, init)
+    init = (jnp.concatenate([jnp.full((n_q, kk), jnp.inf, dtype),
+                             jnp.full((n_q, 1), -1, dtype)], 1),
+            jnp.concatenate([jnp.full((n_q, kk), R, int32), qvalid.astype(int32)[:, None]], 1))
+    fs, is_ = lax.while_loop(lambda s: jnp.any(s[1][:, kk] == 1), search_pass, init)
+    d2, rows, status = fs[:, :kk], is_[:, :kk], is_[:, kk]
 
     # Cross-device pass for spheres that leave the ghost layer.
     D = pencils.num_devices
@@ -812,6 +835,45 @@ def _query_rows(query, devices: int):
     return flat, lead, m
 
 
+def _pack_rows(tree):
+    """Pack per-row arrays into one float32 (n, a) and one int32 (n, b) array, so that
+    moving them costs one set of operations each (floats stay floats: gradients flow);
+    other dtypes travel as they are. Returns ``(packed, unpack)``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    n = leaves[0].shape[0]
+    floats, ints, other, layout = [], [], [], []
+    for leaf in leaves:
+        if leaf.dtype == jnp.float32:
+            layout.append(("f", leaf.shape, leaf.dtype, sum(c.shape[1] for c in floats)))
+            floats.append(leaf.reshape(n, -1))
+        elif leaf.dtype == jnp.bool_ or leaf.dtype in (jnp.int32, jnp.uint32):
+            layout.append(("i", leaf.shape, leaf.dtype, sum(c.shape[1] for c in ints)))
+            ints.append(leaf.reshape(n, -1).astype(int32))
+        else:
+            layout.append(("o", leaf.shape, leaf.dtype, len(other)))
+            other.append(leaf)
+    cat = lambda cols, dtype: (jnp.concatenate(cols, axis=1) if cols
+                               else jnp.zeros((n, 0), dtype))
+    packed = (cat(floats, jnp.float32), cat(ints, int32), other)
+
+    def unpack(moved):
+        fblock, iblock, rest = moved
+        out = []
+        for kind, shape, dtype, start in layout:
+            if kind == "o":
+                out.append(rest[start])
+                continue
+            width = int(np.prod(shape[1:], dtype=int))
+            block = fblock if kind == "f" else iblock
+            flat = block[:, start:start + width]
+            if kind == "i":
+                flat = flat > 0 if dtype == jnp.bool_ else flat.astype(dtype)
+            out.append(flat.reshape((block.shape[0],) + shape[1:]))
+        return jax.tree.unflatten(treedef, out)
+
+    return packed, unpack
+
+
 class _Spec(NamedTuple):
     """Static settings of one kNN computation."""
 
@@ -906,7 +968,8 @@ def _device_knn(pencils: Pencils, spec: _Spec, fields, valid, n0: int, grid: boo
     if not trip:
         return values, status, mig
     values["ok"] = jnp.ones(nb.ok.shape, bool)
-    values = return_trip(pencils, values, origin, count, rows_in, *buffers)
+    packed, unpack = _pack_rows(values)
+    values = unpack(return_trip(pencils, packed, origin, count, rows_in, *buffers))
     back = values.pop("ok")
     if spec.output == "neighbours":
         values["dist"] = jnp.where(back[:, None], values["dist"], jnp.nan)
@@ -969,8 +1032,11 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
         values, status = _knn_program(problem, in_specs, spec, query_rows)(*args)
         if traced:
             break
-        needed = int(np.max(np.asarray(status.needed["knn remote"])))
-        limit = dict(status.limits)["knn remote"]
+        needs = {name: int(np.max(np.asarray(v))) for name, v in status.needed.items()}
+        limits = dict(status.limits)
+        if any(needs[name] > lim.rows for name, lim in limits.items() if name != "knn remote"):
+            break  # status.check() names the buffer
+        needed, limit = needs["knn remote"], limits["knn remote"]
         capacity = config.domain.capacity_rows(problem.layout.local_size)
         if needed <= limit.rows or limit.rows >= capacity:
             break

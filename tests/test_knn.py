@@ -1,0 +1,343 @@
+"""kNN and kNN density: exact against scipy's cKDTree on clustered layouts and a real JaxPM
+snapshot, identical on every mesh, with query points, a reduce hook, gradients and errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+from scipy.spatial import cKDTree
+
+import jaxpm_halos as jh
+from conftest import MESH_SHAPES, make_mesh
+
+BOX = 16.0
+N = 4096
+EPS = float(np.finfo(np.float32).eps)
+
+
+def _clustered(seed=0):
+    """Clumps on the box corner, on pencil faces and edges of every test mesh and on z = 0,
+    a dense core, exact duplicates and coordinates equal to 0 and L, over a sparse uniform
+    background with voids (k-th neighbour spheres wider than the narrow pencils)."""
+    rng = np.random.default_rng(seed)
+    centres = [[0.0, 0.0, 0.0], [BOX / 2, BOX / 2, BOX / 2], [BOX / 4, BOX / 8, 0.0],
+               [BOX / 2, 3 * BOX / 4, BOX - 0.05], [3 * BOX / 4, BOX / 2, BOX / 3],
+               [BOX / 8, BOX / 4, 2 * BOX / 3], [BOX, BOX / 2, BOX / 5]]
+    clumps = [np.asarray(c) + rng.normal(0, s, (150, 3)) for c, s in
+              zip(centres, [0.3, 0.2, 0.4, 0.1, 0.3, 0.5, 0.2])]
+    core = np.asarray([BOX / 4, 3 * BOX / 4, BOX / 4]) + rng.normal(0, 0.01, (200, 3))
+    special = np.zeros((46, 3))
+    special[:6] = 0.0                                  # duplicates at the box corner
+    special[6:12] = BOX                                # ... and at L (wraps to 0)
+    special[12:20] = [BOX / 2, BOX / 4, 1.0]           # duplicates on a pencil edge
+    special[20:46] = rng.uniform(0, BOX, (26, 3))
+    special[30:38] = special[20]                       # duplicates in the background
+    n_bg = N - 150 * len(centres) - len(core) - len(special)
+    background = rng.uniform(0, BOX, (n_bg, 3))
+    return np.concatenate(clumps + [core, special, background]).astype(np.float32)
+
+
+def _wrap64(pos, box):
+    pos = np.mod(np.asarray(pos, np.float64), box)
+    pos[pos >= box] -= box
+    return pos
+
+
+def _reference(pos, box, k, query=None):
+    """cKDTree distances (float64) to the k nearest other particles (or to query points)."""
+    data = _wrap64(pos, box)
+    tree = cKDTree(data, boxsize=box)
+    if query is None:
+        dist, _ = tree.query(data, k=k + 1)
+        return dist[:, 1:]
+    dist, _ = tree.query(_wrap64(query, box), k=k)
+    return dist.reshape(len(query), k)
+
+
+def _true_distances(pos, box, idx, query=None):
+    data = _wrap64(pos, box)
+    origin = data if query is None else _wrap64(query, box)
+    d = data[idx] - origin[:, None, :]
+    d -= box * np.round(d / box)
+    return np.sqrt((d * d).sum(-1))
+
+
+def _check_exact(pos, box, k, dist, idx, query=None):
+    """Distances match cKDTree to float32 rounding; each returned neighbour really sits at
+    the returned distance (so ids differ from the reference only at true ties); no self,
+    no repeats."""
+    dist, idx = np.asarray(dist), np.asarray(idx)
+    want = _reference(pos, box, k, query)
+    tol = 8 * EPS * box
+    assert dist.shape == want.shape and idx.shape == want.shape
+    np.testing.assert_allclose(dist, want, rtol=4 * EPS, atol=tol)
+    assert np.all(np.diff(dist, axis=1) >= 0)
+    n = len(pos)
+    assert idx.min() >= 0 and idx.max() < n
+    np.testing.assert_allclose(_true_distances(pos, box, idx, query), dist, rtol=4 * EPS,
+                               atol=tol)
+    srt = np.sort(idx, axis=1)
+    assert not np.any(srt[:, 1:] == srt[:, :-1]), "a neighbour is listed twice"
+    if query is None:
+        assert not np.any(idx == np.arange(n)[:, None]), "a particle is its own neighbour"
+
+
+def _assert_same(a, b):
+    """Bitwise equal distances; equal ids except among exactly equal distances."""
+    (da, ia), (db, ib) = [tuple(np.asarray(x) for x in r) for r in (a, b)]
+    np.testing.assert_array_equal(da, db)
+    differ = ia != ib
+    if differ.any():
+        rows, cols = np.nonzero(differ)
+        for r, c in zip(rows, cols):
+            assert np.sum(da[r] == da[r, c]) > 1, f"row {r}: ids differ without a tie"
+
+
+def _shard(mesh, x):
+    return jax.device_put(x, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+
+
+@pytest.fixture(scope="module")
+def clustered():
+    return _clustered()
+
+
+@pytest.fixture(scope="module")
+def unsharded(clustered):
+    return jh.knn(clustered, BOX, 8)
+
+
+def test_unsharded_matches_scipy(clustered, unsharded):
+    _check_exact(clustered, BOX, 8, *unsharded)
+
+
+@pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_every_mesh_matches_scipy_and_the_unsharded_result(clustered, unsharded, shape):
+    mesh = make_mesh(shape)
+    dist, idx = jh.knn(_shard(mesh, clustered), BOX, 8)
+    assert dist.sharding.spec == P(("x", "y"))
+    _check_exact(clustered, BOX, 8, dist, idx)
+    _assert_same((dist, idx), unsharded)
+
+
+@pytest.mark.parametrize("k", [1, 16, pytest.param(32, marks=pytest.mark.slow)])
+def test_k(clustered, k):
+    mesh = make_mesh((2, 4))
+    dist, idx = jh.knn(_shard(mesh, clustered), BOX, k)
+    _check_exact(clustered, BOX, k, dist, idx)
+
+
+def test_spheres_wider_than_the_ghost_layer_are_completed_across_devices(clustered):
+    # A ghost layer far thinner than the k-th neighbour distance: almost every particle
+    # near a face needs the cross-device pass, whose buffer grows automatically.
+    mesh = make_mesh((4, 2))
+    config = jh.KNNConfig(ghost_width=0.05, remote_factor=0.01,
+                          domain=jh.DomainConfig(ghost_factor=1.0, image_factor=1.0))
+    (dist, idx), status = jh.knn(_shard(mesh, clustered), BOX, 8, config=config,
+                                 with_status=True)
+    assert int(np.max(np.asarray(status.needed["knn remote"]))) > 32
+    _check_exact(clustered, BOX, 8, dist, idx)
+
+
+@pytest.mark.slow
+def test_jaxpm_snapshot(jaxpm_snapshot_32):
+    snap = jaxpm_snapshot_32
+    box, k = snap.box_size, 16
+    particles = jh.from_jaxpm(snap.disp_sharded, box_size=box)
+    dist, idx = jh.knn(particles, k=k)
+    nc = snap.nc
+    assert dist.shape == (nc, nc, nc, k) and idx.shape == (nc, nc, nc, k)
+    assert dist.sharding.spec == particles.pos.sharding.spec
+    pos = np.asarray(particles.pos).reshape(-1, 3)
+    _check_exact(pos, box, k, np.asarray(dist).reshape(-1, k), np.asarray(idx).reshape(-1, k))
+    # Voids: the k-th neighbour reaches several mean separations.
+    assert float(np.max(dist[..., -1])) > 2.5 * box / nc
+    rho = jh.knn_density(particles, k=k)
+    rk = np.asarray(dist[..., -1], np.float64)
+    np.testing.assert_allclose(np.asarray(rho), (k - 1) / (4 / 3 * np.pi * rk ** 3), rtol=1e-5)
+
+
+def test_density_with_masses_and_overdensity(clustered):
+    k = 8
+    mass = np.random.default_rng(1).uniform(0.5, 2.0, N).astype(np.float32)
+    dist, idx = jh.knn(clustered, BOX, k)
+    delta = jh.knn_density(clustered, BOX, k, mass=mass, overdensity=True)
+    rk = np.asarray(dist, np.float64)[:, -1]
+    with np.errstate(divide="ignore"):  # duplicates: r_k = 0 and an infinite density
+        rho = mass[np.asarray(idx)][:, :k - 1].sum(1) / (4 / 3 * np.pi * rk ** 3)
+    mean = mass.astype(np.float64).sum() / BOX ** 3
+    np.testing.assert_allclose(np.asarray(delta), rho / mean - 1, rtol=1e-4, atol=1e-4)
+
+
+def test_query_points(clustered):
+    k = 8
+    rng = np.random.default_rng(2)
+    query = rng.uniform(-BOX, 2 * BOX, (992, 3)).astype(np.float32)  # outside: wrapped
+    query[:5] = clustered[:5]                                         # on particles
+    query[5] = [BOX, BOX, BOX]
+    mesh = make_mesh((2, 4))
+    particles = _shard(mesh, clustered)
+    dist, idx = jh.knn(particles, BOX, k, query=_shard(mesh, query))
+    assert dist.shape == (992, k) and dist.sharding.spec == P(("x", "y"))
+    _check_exact(clustered, BOX, k, dist, idx, query=query)
+    assert np.all(np.asarray(dist)[:5, 0] == 0)
+    # Queries that are not sharded (and not a multiple of the devices) give the same rows.
+    got = jh.knn(particles, BOX, k, query=query[:990].reshape(2, 495, 3))
+    assert got[0].shape == (2, 495, k)
+    _assert_same([np.asarray(a).reshape(990, k) for a in got], (dist[:990], idx[:990]))
+    rho = jh.knn_density(particles, BOX, k, query=_shard(mesh, query))
+    rk = np.asarray(dist, np.float64)[:, -1]
+    np.testing.assert_allclose(np.asarray(rho), (k - 1) / (4 / 3 * np.pi * rk ** 3), rtol=1e-5)
+
+
+def test_reduce_hook_returns_only_per_particle_values(clustered):
+    k = 8
+    mesh = make_mesh((2, 4))
+
+    def mean_distance(dist, idx, data):
+        return {"mean": jnp.mean(dist, axis=1), "far_id": idx[:, -1], "id": data["id"],
+                "x": data["pos"][:, 0]}
+
+    out = jh.knn(_shard(mesh, clustered), BOX, k, reduce=mean_distance)
+    dist, idx = jh.knn(clustered, BOX, k)
+    np.testing.assert_allclose(np.asarray(out["mean"]), np.asarray(dist).mean(1), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out["id"]), np.arange(N))
+    np.testing.assert_array_equal(np.asarray(out["x"]), _wrap64(clustered, BOX)[:, 0]
+                                  .astype(np.float32))
+    far = np.asarray(out["far_id"])
+    np.testing.assert_allclose(_true_distances(clustered, BOX, far[:, None])[:, 0],
+                               np.asarray(dist)[:, -1], rtol=4 * EPS, atol=8 * EPS * BOX)
+
+
+def test_gradients_match_finite_differences():
+    rng = np.random.default_rng(3)
+    box, n, k = 8.0, 512, 4
+    pos = rng.uniform(0, box, (n, 3)).astype(np.float32)
+    mesh = make_mesh((2, 4))
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, (n, k)).astype(np.float32))
+
+    def objective(p):
+        dist, _ = jh.knn(p, box, k, mesh=mesh)
+        rho = jh.knn_density(p, box, k, mesh=mesh)
+        return jnp.sum(weights * dist) + 1e-3 * jnp.sum(jnp.log(rho))
+
+    grad = np.asarray(jax.jit(jax.grad(objective))(_shard(mesh, pos)))
+    assert np.isfinite(grad).all() and np.abs(grad).sum() > 0
+    f = jax.jit(objective)
+    neighbours = lambda x: np.asarray(jh.knn(_shard(mesh, x), box, k)[1])
+    idx0 = neighbours(pos)
+    h = 1e-2
+    checked = 0
+    for i, d in zip(rng.choice(n, 10, replace=False), rng.integers(0, 3, 10)):
+        plus, minus = pos.copy(), pos.copy()
+        plus[i, d] += h
+        minus[i, d] -= h
+        if not (np.array_equal(neighbours(plus), idx0) and np.array_equal(neighbours(minus), idx0)):
+            continue  # the selection changed; the gradient holds it fixed
+        fd = (float(f(_shard(mesh, plus))) - float(f(_shard(mesh, minus)))) / (2 * h)
+        np.testing.assert_allclose(fd, grad[i, d], rtol=2e-2, atol=2e-2)
+        checked += 1
+    assert checked >= 5
+
+
+def test_local_api_inside_user_shard_map(clustered):
+    k = 8
+    mesh = make_mesh((4, 2), names=("row", "col"))
+    spec = P(("row", "col"))
+    want_dist, _ = jh.knn(clustered, BOX, k)
+
+    def step(block):
+        i = jax.lax.axis_index(("row", "col"))
+        n = block.shape[0]
+        parts = jh.Particles.create(block, BOX, id=i * n + jnp.arange(n))
+        domain, (dist, idx), status = jh.knn_local(parts, k, axes=("row", "col"))
+        return domain.id, dist, idx, status.ok[None]
+
+    ids, dist, idx, ok = map(np.asarray, jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=spec, out_specs=(spec,) * 4, check_vma=False))(
+            _shard(mesh, clustered)))
+    assert ok.all()
+    valid = ids >= 0
+    assert valid.sum() == N
+    np.testing.assert_array_equal(dist[valid], np.asarray(want_dist)[ids[valid]])
+
+
+@pytest.mark.slow
+def test_knn_on_decomposition_shares_the_domain(clustered):
+    from jaxpm_halos._domain import decompose
+    from jaxpm_halos._layout import Pencils
+
+    k = 8
+    mesh = make_mesh((2, 4))
+    pencils = Pencils("x", "y", 2, 4, BOX)
+    n0 = N // 8
+    width = jh._knn.ghost_width(k, N, pencils)
+    want_dist, want_idx = jh.knn(clustered, BOX, k)
+
+    def step(block):
+        n = block.shape[0]
+        i = jax.lax.axis_index(("x", "y"))
+        fields = {"pos": block, "id": i * n + jnp.arange(n, dtype=jnp.int32)}
+        dec = decompose(pencils, fields, jnp.ones(n, bool), width, n, 2 * n, 2 * n)
+        result, status = jh.knn_on_decomposition(pencils, dec, k, width, n0=n0)
+        return dec.migrated.payload["id"], result["dist"], result["idx"], status.ok[None]
+
+    spec = P(("x", "y"))
+    ids, dist, idx, ok = map(np.asarray, jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=spec, out_specs=(spec,) * 4, check_vma=False))(
+            _shard(mesh, clustered)))
+    assert ok.all()
+    valid = ids >= 0
+    assert valid.sum() == N
+    _assert_same((dist[valid], idx[valid]),
+                 (np.asarray(want_dist)[ids[valid]], np.asarray(want_idx)[ids[valid]]))
+
+
+def test_non_finite_positions_are_reported_and_excluded(clustered):
+    bad = clustered.copy()
+    bad[7] = np.nan
+    bad[9, 1] = np.inf
+    with pytest.raises(jh.InvalidInputError, match="2 particle positions"):
+        jh.knn(bad, BOX, 8)
+    (dist, idx), status = jax.jit(lambda x: jh.knn(x, BOX, 8, with_status=True))(bad)
+    assert int(status.nonfinite) == 2
+    dist, idx = np.asarray(dist), np.asarray(idx)
+    assert np.isnan(dist[[7, 9]]).all() and (idx[[7, 9]] == -1).all()
+    keep = np.ones(N, bool)
+    keep[[7, 9]] = False
+    want = _reference(clustered[keep], BOX, 8)
+    np.testing.assert_allclose(dist[keep], want, rtol=4 * EPS, atol=8 * EPS * BOX)
+    assert not np.isin(idx[keep], [7, 9]).any()
+
+
+@pytest.mark.slow
+def test_capacity_overflow_names_the_knob(clustered):
+    mesh = make_mesh((2, 4))
+    config = jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=1.0))
+    with pytest.raises(jh.CapacityError, match="capacity_factor") as info:
+        jh.knn(_shard(mesh, clustered), BOX, 8, config=config)
+    value = float(re.search(r"capacity_factor=([0-9.]+)", str(info.value)).group(1))
+    config = jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=value))
+    dist, idx = jh.knn(_shard(mesh, clustered), BOX, 8, config=config)
+    _check_exact(clustered, BOX, 8, dist, idx)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(k=0), "at least 1"),
+    (dict(k=N), "k \\+ 1"),
+    (dict(k=2.5), "integer"),
+    (dict(k=8, query=np.zeros((4, 2), np.float32)), "trailing axis"),
+])
+def test_bad_arguments_raise(clustered, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jh.knn(clustered, BOX, **kwargs)
+
+
+def test_bad_density_arguments_raise(clustered):
+    with pytest.raises(ValueError, match="k >= 2"):
+        jh.knn_density(clustered, BOX, 1)
+    with pytest.raises(ValueError, match="need at least k particles"):
+        jh.knn(clustered[:16], BOX, 17, query=np.zeros((3, 3), np.float32))
