@@ -145,22 +145,6 @@ def morton_key(cx, cy, cz):
     return (morton_spread(cx) << 2) | (morton_spread(cy) << 1) | morton_spread(cz)
 
 
-def search_sorted(sorted_keys, values):
-    """``jnp.searchsorted(sorted_keys, values, side='left')`` as an unrolled branchless
-    binary search (several times faster on CPU than the ``while`` version)."""
-    n = sorted_keys.shape[0]
-    pos = jnp.zeros(jnp.shape(values), int32)
-    if n == 0:
-        return pos
-    step = 1 << (n - 1).bit_length()
-    while step:
-        cand = pos + step
-        probe = jnp.take(sorted_keys, jnp.clip(cand - 1, 0, n - 1), mode="clip")
-        pos = jnp.where((cand <= n) & (probe < values), cand, pos)
-        step >>= 1
-    return pos
-
-
 # ----------------------------------------------------------------------------------------
 # Columns sorted along z: the FoF index
 

@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ._cells import MORTON_BITS, morton_key, search_sorted
+from ._cells import MORTON_BITS, morton_key
 from ._config import KNNConfig
 from ._domain import (Decomposition, decompose, migrate, pmax_all, psum_all, return_trip,
                       selection)
@@ -300,8 +300,8 @@ def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Quer
     nodes = jnp.where(node_ok[:, None], nodes, 0)
     prefix = morton_key(nodes[:, 0], nodes[:, 1], nodes[:, 2])
     shift = 3 * (_LEVELS - level)
-    start = search_sorted(index.key, jnp.left_shift(prefix, shift))
-    end = search_sorted(index.key, jnp.left_shift(prefix + 1, shift))
+    start = jnp.searchsorted(index.key, jnp.left_shift(prefix, shift)).astype(int32)
+    end = jnp.searchsorted(index.key, jnp.left_shift(prefix + 1, shift)).astype(int32)
     count = jnp.where(node_ok, end - start, 0)
     # Nearest nodes first: the running k nearest become good early, which makes the
     # later merges cheap.
@@ -661,7 +661,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         qvalid = jnp.arange(n_q) < count
         qs = qpos[order]
         q = Queries.make(qs, qs, jnp.full((n_q,), -2, int32), qvalid,
-                         search_sorted(index.key, qkey))
+                         jnp.searchsorted(index.key, qkey).astype(int32))
         home = jnp.where(qvalid, order, n_q)
 
     # Searches: first every query with an estimated radius, then the queries whose k-th

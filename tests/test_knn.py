@@ -268,6 +268,7 @@ def test_local_api_inside_user_shard_map(clustered):
 @pytest.mark.slow
 def test_knn_on_decomposition_shares_the_domain(clustered):
     from jaxpm_halos._domain import decompose
+    from jaxpm_halos._geometry import wrap
     from jaxpm_halos._layout import Pencils
 
     k = 8
@@ -280,7 +281,7 @@ def test_knn_on_decomposition_shares_the_domain(clustered):
     def step(block):
         n = block.shape[0]
         i = jax.lax.axis_index(("x", "y"))
-        fields = {"pos": block, "id": i * n + jnp.arange(n, dtype=jnp.int32)}
+        fields = {"pos": wrap(block, BOX), "id": i * n + jnp.arange(n, dtype=jnp.int32)}
         dec = decompose(pencils, fields, jnp.ones(n, bool), width, n, 2 * n, 2 * n)
         result, status = jh.knn_on_decomposition(pencils, dec, k, width, n0=n0)
         return dec.migrated.payload["id"], result["dist"], result["idx"], status.ok[None]
