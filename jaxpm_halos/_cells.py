@@ -70,7 +70,7 @@ def for_each_pair_chunk(starts, ends, chunk: int, body, carry):
         live = t < total
         # The row of pair t: the last row that starts at or before t. Rows starting inside
         # the chunk mark their first pair; a running maximum fills in the rest.
-        row0 = search_sorted(cum, t0 + 1)  # the first row whose pairs reach past t0
+        row0 = jnp.searchsorted(cum, t0, side="right").astype(int32)  # row holding pair t0
         offset = first - t0
         inside = (per_row > 0) & (offset > 0) & (offset < chunk)
         marks = jnp.zeros(chunk, int32).at[jnp.where(inside, offset, chunk)].max(row_ids,
