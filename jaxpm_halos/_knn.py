@@ -437,9 +437,10 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     return flat(d2s), flat(rows), flat(plans.coverage), flat(rho)
 
 
-def _classify(frame: _Frame, d2, coverage, rho):
+def _classify(frame: _Frame, d2, coverage, rho, scale: float):
     """0: exact, 1: search again with radius ``new_rho``, 2: needs the cross-device pass.
-    The last column of ``d2`` is the distance that must be covered."""
+    The last column of ``d2`` is the distance that must be covered. A query that found
+    fewer than k rows doubles its radius (starting from ``scale``)."""
     dtype = d2.dtype
     rk2 = d2[:, -1]
     found = jnp.isfinite(rk2)
@@ -449,7 +450,8 @@ def _classify(frame: _Frame, d2, coverage, rho):
     cov = coverage - m
     exact = found & (cov > 0) & (rk <= cov) & (rk < half)
     full = jnp.asarray(frame.full, dtype)
-    new_rho = jnp.where(found, rk * (1 + 1e-5) + m, full)
+    grow = jnp.minimum(jnp.maximum(2 * rho, jnp.asarray(scale, dtype)), full)
+    new_rho = jnp.where(found, rk * (1 + 1e-5) + m, grow)
     again = jnp.where(found, rho < rk, rho < full)
     status = jnp.where(exact, 0, jnp.where(again, 1, 2)).astype(int32)
     return status, new_rho
@@ -681,7 +683,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         sub = Queries(put(qf), put(jnp.stack([qi[:, 0], live.astype(int32), qi[:, 2]], 1)))
         sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
                                          put(fs[pc, kk]), used, k, config, B, self_mode)
-        sstat, snew = _classify(frame, sd2, scov, srho)
+        sstat, snew = _classify(frame, sd2, scov, srho, gap)
         # Queries that found no slot this pass stay for the next one.
         target = jnp.where(live & (slot < n_q), pick, n_q)
         sc = jnp.minimum(slot, n_q - 1)
