@@ -56,6 +56,7 @@ int32 = jnp.int32
 _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
+_PLAN_GROUPS = 8
 _GAP = 2.0
 
 
@@ -300,8 +301,9 @@ def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Quer
     nodes = jnp.where(node_ok[:, None], nodes, 0)
     prefix = morton_key(nodes[:, 0], nodes[:, 1], nodes[:, 2])
     shift = 3 * (_LEVELS - level)
-    start = jnp.searchsorted(index.key, jnp.left_shift(prefix, shift)).astype(int32)
-    end = jnp.searchsorted(index.key, jnp.left_shift(prefix + 1, shift)).astype(int32)
+    bounds = jnp.searchsorted(index.key, jnp.concatenate([jnp.left_shift(prefix, shift),
+                                                          jnp.left_shift(prefix + 1, shift)]))
+    start, end = bounds[:_NODES].astype(int32), bounds[_NODES:].astype(int32)
     count = jnp.where(node_ok, end - start, 0)
     # Nearest nodes first: the running k nearest become good early, which makes the
     # later merges cheap.
@@ -407,15 +409,21 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
                   jnp.zeros((nb, 3), dtype), jnp.zeros((nb, 3), dtype),
                   jnp.zeros((nb, batch), dtype), jnp.zeros((nb,), dtype))
 
+    # Plans are cheap: many batches per step (fewer loop iterations, less overhead).
+    pg = g * _PLAN_GROUPS
+    while nb % pg:
+        pg //= 2
+
     def plan_body(state):
         gi, plans = state
-        s = gi * g
-        cut = lambda a: lax.dynamic_slice_in_dim(a, s, g)
+        s = gi * pg
+        cut = lambda a: lax.dynamic_slice_in_dim(a, s, pg)
         new = plan_fn(jax.tree.map(cut, qb), cut(rb))
         return gi + 1, jax.tree.map(lambda buf, v: lax.dynamic_update_slice_in_dim(buf, v, s, 0),
                                     plans, new)
 
-    _, plans = lax.while_loop(lambda s: s[0] < n_groups, plan_body, (jnp.int32(0), plans))
+    n_plan = (count + pg * batch - 1) // (pg * batch)
+    _, plans = lax.while_loop(lambda s: s[0] < n_plan, plan_body, (jnp.int32(0), plans))
     work = jnp.sum(plans.count, axis=1)
     order = jnp.argsort(-work)
     kk = k + 1 if self_mode else k
@@ -678,7 +686,9 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         pc = jnp.clip(pick, 0, n_q - 1)
         live = jnp.arange(n_q) < cnt
         qf, qi = q.f[pc], q.i[pc]
-        slot, used = _batch_slots(qf[:, :3], live, B, gap)
+        # Second searches are scattered: a wider gap keeps more of them per batch.
+        first_pass = jnp.any(live & (fs[pc, kk] < 0))
+        slot, used = _batch_slots(qf[:, :3], live, B, jnp.where(first_pass, gap, 2 * gap))
         put = lambda a: jnp.zeros(a.shape, a.dtype).at[slot].set(a, mode="drop")
         sub = Queries(put(qf), put(jnp.stack([qi[:, 0], live.astype(int32), qi[:, 2]], 1)))
         sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
