@@ -686,9 +686,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         pc = jnp.clip(pick, 0, n_q - 1)
         live = jnp.arange(n_q) < cnt
         qf, qi = q.f[pc], q.i[pc]
-        # Second searches are scattered: a wider gap keeps more of them per batch.
-        first_pass = jnp.any(live & (fs[pc, kk] < 0))
-        slot, used = _batch_slots(qf[:, :3], live, B, jnp.where(first_pass, gap, 2 * gap))
+        slot, used = _batch_slots(qf[:, :3], live, B, gap)
         put = lambda a: jnp.zeros(a.shape, a.dtype).at[slot].set(a, mode="drop")
         sub = Queries(put(qf), put(jnp.stack([qi[:, 0], live.astype(int32), qi[:, 2]], 1)))
         sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
