@@ -57,7 +57,7 @@ _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
 _PLAN_GROUPS = 8
-_GAP = 2.0
+_GAP = 3.0
 
 
 # ----------------------------------------------------------------------------------------
