@@ -221,18 +221,25 @@ def _distance2_cols(ax, ay, az, bx, by, bz, box):
     return dx * dx + dy * dy + dz * dz
 
 
-def _batch_slots(local, valid, batch: int, gap: float):
+def _batch_slots(local, valid, batch: int, gap: float, span: float):
     """Slots of queries (in key order, valid first) in batches of ``batch``: a batch ends
-    early where the next query is farther than ``gap`` from the previous one, so scattered
-    queries (e.g. the few searched again) get small batches of their own. Returns the slot
-    of each query (``n`` where none is left) and the number of slots used."""
+    early where the next query is farther than ``gap`` from the previous one (so scattered
+    queries, e.g. the few searched again, get small batches of their own) or farther than
+    ``span`` from the batch's first query. Returns the slot of each query (``n`` where none
+    is left) and the number of slots used."""
     n = local.shape[0]
     i = jnp.arange(n, dtype=int32)
-    step = jnp.sqrt(jnp.sum((local - jnp.roll(local, 1, axis=0)) ** 2, axis=1))
-    brk = (i == 0) | (step > gap)
-    run_start = lax.cummax(jnp.where(brk, i, 0))
-    in_run = i - run_start
-    brk = brk | (in_run % batch == 0)
+
+    def runs(brk):
+        start = lax.cummax(jnp.where(brk, i, 0))
+        in_run = i - start
+        return brk | (in_run % batch == 0), in_run
+
+    step = jnp.max(jnp.abs(local - jnp.roll(local, 1, axis=0)), axis=1)
+    brk, _ = runs((i == 0) | (step > gap))
+    first = lax.cummax(jnp.where(brk, i, 0))
+    brk = brk | (jnp.max(jnp.abs(local - local[first]), axis=1) > span)
+    brk, in_run = runs(brk)
     slot = (jnp.cumsum(brk.astype(int32)) - 1) * batch + in_run % batch
     slot = jnp.where(valid & (slot < n), slot, n)
     used = jnp.max(jnp.where(slot < n, slot + 1, 0))
@@ -678,6 +685,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     # neighbour lay beyond the region they searched, with that distance as radius, until
     # every query is exact or needs the cross-device pass. Passes reuse one program.
     gap = _GAP * uniform_knn_radius(k, n0 * pencils.num_devices, pencils.box_size)
+    span = min(0.125 * pencils.box_size, 4 * gap)
 
     # Per query: [d2 (kk) | next radius] and [rows (kk) | status] (packed: fewer arrays).
     def search_pass(state):
@@ -686,7 +694,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         pc = jnp.clip(pick, 0, n_q - 1)
         live = jnp.arange(n_q) < cnt
         qf, qi = q.f[pc], q.i[pc]
-        slot, used = _batch_slots(qf[:, :3], live, B, gap)
+        slot, used = _batch_slots(qf[:, :3], live, B, gap, span)
         put = lambda a: jnp.zeros(a.shape, a.dtype).at[slot].set(a, mode="drop")
         sub = Queries(put(qf), put(jnp.stack([qi[:, 0], live.astype(int32), qi[:, 2]], 1)))
         sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
