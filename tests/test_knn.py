@@ -250,21 +250,25 @@ def test_local_api_inside_user_shard_map(clustered):
     mesh = make_mesh((4, 2), names=("row", "col"))
     spec = P(("row", "col"))
     want_dist, _ = jh.knn(clustered, BOX, k)
+    query = np.random.default_rng(4).uniform(0, BOX, (800, 3)).astype(np.float32)
 
-    def step(block):
+    def step(block, q):
         i = jax.lax.axis_index(("row", "col"))
         n = block.shape[0]
         parts = jh.Particles.create(block, BOX, id=i * n + jnp.arange(n))
         domain, (dist, idx), status = jh.knn_local(parts, k, axes=("row", "col"))
-        return domain.id, dist, idx, status.ok[None]
+        (qdist, qidx), qstatus = jh.knn_local(parts, k, axes=("row", "col"), query=q)
+        return domain.id, dist, idx, (status.ok & qstatus.ok)[None], qdist, qidx
 
-    ids, dist, idx, ok = map(np.asarray, jax.jit(jax.shard_map(
-        step, mesh=mesh, in_specs=spec, out_specs=(spec,) * 4, check_vma=False))(
-            _shard(mesh, clustered)))
+    ids, dist, idx, ok, qdist, qidx = map(np.asarray, jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * 6, check_vma=False))(
+            _shard(mesh, clustered), _shard(mesh, query)))
     assert ok.all()
     valid = ids >= 0
     assert valid.sum() == N
     np.testing.assert_array_equal(dist[valid], np.asarray(want_dist)[ids[valid]])
+    # Query results come back in the caller's rows.
+    _check_exact(clustered, BOX, k, qdist, qidx, query=query)
 
 
 @pytest.mark.slow
