@@ -103,11 +103,12 @@ class KNNConfig:
         shares one set of candidate rows.
       chunk_size: candidates merged into the running k nearest per step.
       group_size: batches processed side by side in one step (vectorised).
-      radius_factor: first-pass search radius relative to the estimate from the nearest
-        rows in key order. Queries whose k-th neighbour lies beyond the searched region are
-        searched again with their exact bound.
+      radius_factor: first-pass search radius relative to the k-th neighbour distance
+        estimated from the batch's own density. Queries whose k-th neighbour lies beyond
+        the searched region are searched again with that distance as radius.
       remote_factor: rows per device for queries whose search sphere leaves the ghost
-        layer (solved against every device's particles), in units of ``n0``; at least 32.
+        layer (solved against every device's particles), in units of ``n0``; at least 32
+        and at most the ``capacity_factor`` rows.
         ``None`` picks 1/64, or 1 when the ghost layer had to be capped at the pencil
         width (pencils narrower than the neighbour spheres). The public functions rerun
         with a larger value when it overflows.

@@ -5,27 +5,36 @@ Per device (inside ``shard_map``):
 1. The particles are migrated to the pencil that holds them and receive ghost copies of
    every particle within a width ``w`` of the pencil, plus periodic images along z
    (:mod:`._domain`, :func:`._fof.z_images`). ``w`` defaults to twice the k-th neighbour
-   distance of a uniform density.
+   distance of a uniform density, capped at the pencil width.
 2. All rows are sorted by a Morton key of their position in the device's frame, so every
    octree node at every level is one contiguous range of rows (:mod:`._cells`).
 3. Queries (the owned particles, or query points migrated to the pencil that holds them)
-   are taken in key order, in batches of spatially consecutive queries. A batch searches
-   the box ``bbox(batch) + rho``, enumerated as at most 4 x 4 x 4 octree nodes of the level
-   that fits it, so a batch's work follows its own density: fine nodes in clusters,
-   coarse ones in voids. ``rho`` is estimated from the nearest rows in key order, which
-   also seed the running k nearest. Candidates are merged in fixed-size chunks, each batch
-   looping over its own chunks only.
+   are taken in key order, in batches of up to ``batch_size`` consecutive queries (a batch
+   ends early at a gap, so scattered queries get batches of their own). A batch searches
+   the box ``bbox(batch) + rho``, enumerated as at most 64 octree nodes of the finest level
+   that covers it, nearest first: a batch's work follows its own density (fine nodes in
+   clusters, coarse ones in voids). ``rho`` is estimated from the batch's own density.
+   Batches are ordered by work and stepped ``group_size`` at a time through ``chunk_size``
+   candidates per step, each step merging the candidates into the running k nearest
+   (``lax.top_k`` with the running list first).
 4. A query is exact when its k-th distance is at most its distance to the boundary of the
-   searched region (and of the ghost layer). Others are searched again with their k-th
-   distance as radius, which is then exact unless the sphere leaves the ghost layer.
-5. Those last ones (voids near a pencil face) are sent to every device whose pencil their
-   sphere reaches; each returns its own particles' k nearest, and the home device merges.
+   region known to be complete (the searched nodes, within the ghost layer and within half
+   a box of every query of its batch). Others are searched again with their k-th distance
+   as radius (or twice the radius when fewer than k rows were found), in later passes of
+   the same program, until every query is exact or its sphere leaves the ghost layer.
+5. Those last ones (voids near a pencil face, or k-th neighbours beyond a narrow pencil)
+   are gathered on every device; each device whose pencil their sphere reaches returns its
+   own particles' k nearest (brute force over the chunks of its rows the sphere reaches),
+   and the home device merges the answers. Every particle is owned once, so the merge is
+   exact.
 
 Every distance is computed by :func:`._geometry.periodic_distance2` from canonical wrapped
-coordinates, so results are bitwise identical on every mesh. Neighbour selection runs on
-stopped gradients; distances are then recomputed from the selected neighbours' positions,
-which flow differentiably through the domain exchange, so ``jax.grad`` works with the
-neighbour selection held fixed.
+coordinates, so distances are bitwise identical on every mesh (ids may differ only among
+neighbours at exactly equal distances, which are listed in id order). Self exclusion keeps
+k + 1 neighbours and drops the query's own id. Neighbour selection runs on stopped
+gradients and without reverse-mode loops; distances are then recomputed from the selected
+neighbours' positions, which flow differentiably through the domain exchange, so
+``jax.grad`` works with the neighbour selection held fixed.
 """
 
 from __future__ import annotations
@@ -56,8 +65,8 @@ int32 = jnp.int32
 _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
-_PLAN_GROUPS = 8
-_GAP = 3.0
+_PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning step
+_GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
 
 
 # ----------------------------------------------------------------------------------------
