@@ -119,7 +119,7 @@ class KNNConfig:
     ghost_factor: float = 2.0
     batch_size: int = 16
     chunk_size: int = 256
-    group_size: int = 16
+    group_size: int = 8
     radius_factor: float = 1.0
     remote_factor: float | None = None
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)

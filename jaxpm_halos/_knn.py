@@ -173,7 +173,8 @@ def build_index(frame: _Frame, ext, origin, image_rows: int):
     c = _cells_of(frame, local, origin)
     key = jnp.where(valid, morton_key(c[:, 0], c[:, 1], c[:, 2]), _SENTINEL)
     rows = jnp.arange(key.shape[0], dtype=int32)
-    key, sid, order = lax.sort((key, ids, rows), num_keys=2)
+    key, order = lax.sort((key, rows), num_keys=1, is_stable=True)
+    sid = ids[order]
     owned = (order < ext.owned) & (key != _SENTINEL)
     er = ext_row[order]
     canon = canon_ext[er]
