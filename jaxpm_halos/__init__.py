@@ -4,6 +4,7 @@ Importing this package imports only jax and numpy (never jaxpm or jaxdecomp).
 """
 
 from ._config import DomainConfig, FoFConfig
+from ._frontend import clear_caches
 from ._particles import Particles
 from ._status import CapacityError, InvalidInputError, Status
 
@@ -12,6 +13,7 @@ __all__ = [
     "DomainConfig",
     "FoFConfig",
     "InvalidInputError",
+    "clear_caches",
     "Particles",
     "Status",
 ]

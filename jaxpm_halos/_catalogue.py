@@ -1,7 +1,7 @@
 """Padded halo catalogues, built per device from FoF labels.
 
-Each local component with owned members contributes one row of partial sums, taken about
-an anchor (its owned member with the smallest id) with minimum-image offsets. Rows of
+The owned members of each group on a device contribute one row of partial sums, taken about
+an anchor (their member with the smallest id) with minimum-image offsets. Rows of
 groups that are complete on the device and too small are dropped there; all other rows
 travel to the group's home device, ``label % n_devices``, where they are combined: the
 partial row that holds the group's own smallest-id particle supplies the common anchor,
@@ -74,24 +74,28 @@ class Catalogue:
         return {k: v[order] for k, v in fields.items()}
 
 
-def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, component, segments, labels,
+def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segments, labels,
                    has_ghost, min_members: int, halo_rows: int):
     """Per-device catalogue of the groups whose home is this device.
+
+    ``group`` (per row, in ``[0, segments)``) is one index per global label on the device and
+    ``has_ghost`` (per group) whether any ghost carries that label, so the group may have
+    members elsewhere.
 
     Returns ``(fields, num, need_rows)``; ``fields`` maps catalogue field names to arrays of
     ``halo_rows`` rows.
     """
     box = pencils.box_size
     dtype = pos.dtype
-    seg_sum = lambda v: jax.ops.segment_sum(v, component, num_segments=segments)
-    seg_min = lambda v: jax.ops.segment_min(v, component, num_segments=segments)
+    seg_sum = lambda v: jax.ops.segment_sum(v, group, num_segments=segments)
+    seg_min = lambda v: jax.ops.segment_min(v, group, num_segments=segments)
     members = seg_sum(owned.astype(int32))
     first_id = seg_min(jnp.where(owned, ids, _BIG))
     label = seg_min(jnp.where(owned, labels, _BIG))
-    is_anchor = owned & (ids == first_id[component])
-    anchor = jnp.zeros((segments, 3), dtype).at[jnp.where(is_anchor, component, segments)].set(
+    is_anchor = owned & (ids == first_id[group])
+    anchor = jnp.zeros((segments, 3), dtype).at[jnp.where(is_anchor, group, segments)].set(
         jax.lax.stop_gradient(pos), mode="drop")
-    rel = jnp.where(owned[:, None], periodic_delta(pos, anchor[component], box), 0)
+    rel = jnp.where(owned[:, None], periodic_delta(pos, anchor[group], box), 0)
     m = jnp.where(owned, mass, 0).astype(dtype)
     sums = {"count": members, "mass": seg_sum(m), "s": seg_sum(m[:, None] * rel),
             "q": seg_sum(m * jnp.sum(rel * rel, 1))}

@@ -21,7 +21,6 @@ canonical wrapped coordinates, so the groups are those of a serial FoF on every 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +29,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ._catalogue import Catalogue, catalogue_rows
-from ._cells import compress, for_each_pair_chunk, half_shell_windows, sort_columns, union
+from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, union
 from ._config import FoFConfig
 from ._domain import (Decomposition, Extended, Ghosts, decompose, domain_status, pmax_all, psum_all,
                       return_trip, selection)
-from ._frontend import Problem, local_fields, prepare, row_masses
+from ._frontend import Problem, local_fields, prepare, program_cache, row_masses
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils, width_fraction
 from ._particles import Particles
@@ -141,6 +140,25 @@ def merge_labels(ext: Extended, ghosts: Ghosts, pencils: Pencils, component, seg
     return jnp.where(ext.valid, labels, -1), iterations
 
 
+def _group_by_label(labels, component, segments: int):
+    """Per row, the smallest local component that carries the row's global label.
+
+    Ghosts can join owned pieces of one group into a single local component, so local
+    components depend on the ghost width; groups keyed by global label do not. Catalogue
+    sums over them then add the same owned rows in the same order whatever ghost layer
+    the decomposition was built with (FoF alone, or shared with kNN's wider one).
+    """
+    component_label = jax.ops.segment_min(jnp.where(labels >= 0, labels, _BIG), component,
+                                          num_segments=segments)
+    sorted_label, sorted_component = lax.sort(
+        (component_label, jnp.arange(segments, dtype=int32)), num_keys=1, is_stable=True)
+    starts = jnp.concatenate([jnp.ones(1, bool), sorted_label[1:] != sorted_label[:-1]])
+    first = lax.cummax(jnp.where(starts, jnp.arange(segments, dtype=int32), 0))
+    representative = jnp.zeros(segments, int32).at[sorted_component].set(
+        sorted_component[first])
+    return representative[component]
+
+
 # ----------------------------------------------------------------------------------------
 # Device kernel and public API
 
@@ -181,12 +199,13 @@ def fof_on_decomposition(pencils: Pencils, decomposition: Decomposition, linking
     component, segments, need_images, _ = local_components(ext, pencils, linking_length, width,
                                                            images, config.chunk_size)
     labels, _ = merge_labels(ext, decomposition.ghosts, pencils, component, segments)
+    group = _group_by_label(labels, component, segments)
     is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)
-    has_ghost = jax.ops.segment_max(is_ghost, component, num_segments=segments)
+    has_ghost = jax.ops.segment_max(is_ghost, group, num_segments=segments)
     payload = migrated.payload
     cat, num, need_halos = catalogue_rows(
         pencils, pos=payload["pos"], vel=payload.get("vel"), mass=payload["mass"],
-        ids=payload["id"], owned=migrated.valid, component=component[:capacity],
+        ids=payload["id"], owned=migrated.valid, group=group[:capacity],
         segments=segments, labels=labels[:capacity], has_ghost=has_ghost,
         min_members=min_members, halo_rows=halo_rows)
     needs = {"z images": need_images, "halos": need_halos}
@@ -216,7 +235,7 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
     return l
 
 
-@functools.lru_cache(maxsize=32)
+@program_cache(32)
 def _fof_program(problem: Problem, in_specs, linking_length: float, min_members: int,
                  config: FoFConfig):
     layout, pencils = problem.layout, problem.pencils

@@ -9,6 +9,7 @@ with global ids: the input index for flat input, the lattice index for JaxPM gri
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,32 @@ from ._layout import Layout, layout_of
 from ._particles import Particles, _check_box_size
 
 int32 = jnp.int32
+
+_program_caches = []
+
+
+def program_cache(maxsize: int):
+    """``functools.lru_cache`` for jitted programs, emptied by :func:`clear_caches`."""
+
+    def decorate(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        _program_caches.append(cached)
+        return cached
+
+    return decorate
+
+
+def clear_caches():
+    """Drop every compiled jaxpm_halos program (and ``jax.clear_caches()``).
+
+    Each XLA:CPU executable holds a few memory maps of JIT code. A long-lived process that
+    compiles hundreds of distinct programs (many box sizes, linking lengths, meshes) can reach
+    the kernel's ``vm.max_map_count`` (65530 by default) and crash inside the compiler; call
+    this between unrelated batches of work to release them.
+    """
+    for cached in _program_caches:
+        cached.cache_clear()
+    jax.clear_caches()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,10 +55,10 @@ from ._config import KNNConfig
 from ._domain import (Decomposition, decompose, migrate, pmax_all, psum_all, return_trip,
                       selection)
 from ._fof import z_images
-from ._frontend import Problem, local_fields, prepare, row_masses
+from ._frontend import Problem, local_fields, prepare, program_cache, row_masses
 from ._geometry import periodic_delta, periodic_distance2, wrap
-from ._layout import Pencils, layout_of, width_fraction
-from ._particles import Particles, _check_box_size
+from ._layout import Pencils, width_fraction
+from ._particles import Particles
 from ._status import Limit, Status, is_traced
 
 int32 = jnp.int32
@@ -561,7 +561,7 @@ def _remote_search(pencils: Pencils, frame: _Frame, index: Index, own_rows, own_
                                        b * block, block)
         on = sel < Q
         sc = jnp.clip(sel, 0, Q - 1)
-        bq, bid, breach = qc[sc], qid[sc], jnp.where(on, reach[sc], -1)
+        bq, breach = qc[sc], jnp.where(on, reach[sc], -1)
         g = [_interval_gap(bq[:, None, d], cmin[None, :, d], cmax[None, :, d], box)
              for d in range(3)]
         near = jnp.sqrt(g[0] ** 2 + g[1] ** 2 + g[2] ** 2) <= breach[:, None]
@@ -1007,7 +1007,7 @@ def _device_knn(pencils: Pencils, spec: _Spec, fields, valid, n0: int, grid: boo
     return values, status, mig
 
 
-@functools.lru_cache(maxsize=32)
+@program_cache(32)
 def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
     """Jitted shard_map program; ``query_rows`` > 0 for query points (padded total)."""
     layout, pencils = problem.layout, problem.pencils

@@ -29,7 +29,6 @@ input's grid layout; ``"device"`` leaves are per-device arrays stacked along axi
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -37,16 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ._catalogue import Catalogue
 from ._config import FoFConfig, KNNConfig
 from ._domain import Decomposition, decompose, domain_status, return_trip
 from ._fof import fof_on_decomposition, ghost_width as fof_ghost_width
 from ._knn import density_from, ghost_width as knn_ghost_width, knn_on_decomposition
-from ._frontend import local_fields, prepare
+from ._frontend import local_fields, prepare, program_cache
 from ._geometry import grid_to_box
 from ._layout import Pencils, width_fraction
 from ._particles import Particles
-from ._status import Limit, Status, is_traced
+from ._status import Status, is_traced
 from . import units
 
 _KINDS = ("particle", "device", "replicated")
@@ -263,7 +261,6 @@ def check(outputs) -> None:
 
 
 def _state_layout(insitu: InSitu, y):
-    layout_y = y[0] if not is_traced(y) else y
     mesh = insitu.mesh
     if mesh is None and is_traced(y):
         abstract = jax.typeof(y).sharding.mesh
@@ -281,7 +278,7 @@ def _state_layout(insitu: InSitu, y):
     return problem
 
 
-@functools.lru_cache(maxsize=16)
+@program_cache(16)
 def _compiled(insitu: InSitu, problem, dtype):
     layout, pencils = problem.layout, problem.pencils
     n0 = layout.local_size

@@ -65,8 +65,6 @@ def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.nda
 
     Collective: with several processes, every process must call it.
     """
-    import jax
-
     if isinstance(catalogue, Mapping):
         return {k: np.asarray(v) for k, v in catalogue.items()}
     leaves = {f: getattr(catalogue, f) for f in FIELDS if getattr(catalogue, f) is not None}

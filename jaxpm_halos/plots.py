@@ -33,7 +33,7 @@ Sheth & Tormen 1999 (MNRAS 308, 119), with ``nu = delta_c / sigma``, ``delta_c =
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 

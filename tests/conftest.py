@@ -3,6 +3,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
@@ -12,6 +14,17 @@ MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]
 
 def make_mesh(shape, names=("x", "y")):
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    # A whole suite of compiled programs in one process otherwise passes the kernel's
+    # vm.max_map_count and segfaults inside the XLA compiler (see jaxpm_halos.clear_caches).
+    yield
+    import jaxpm_halos
+
+    jaxpm_halos.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session", params=MESH_SHAPES + [(1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
