@@ -70,6 +70,26 @@ def psum_all(pencils: Pencils, value):
 # All-to-all routing
 
 
+def _rank_within_key(key, blocks: int):
+    """Per row, the number of earlier rows with the same ``key`` (keys in ``[0, blocks]``).
+
+    One running count per key: ``blocks`` linear passes beat a comparison sort, which is
+    slow on XLA:CPU, until meshes have tens of blocks along an axis.
+    """
+    if blocks > 32:
+        order = jnp.argsort(key, stable=True)
+        counts = jnp.zeros(blocks + 1, int32).at[key].add(1)
+        first = jnp.cumsum(counts) - counts
+        sorted_rank = jnp.arange(key.shape[0], dtype=int32) - first[key[order]]
+        return jnp.zeros_like(key).at[order].set(sorted_rank)
+
+    def count(d, rank):
+        mine = key == d
+        return jnp.where(mine, jnp.cumsum(mine, dtype=int32) - 1, rank)
+
+    return lax.fori_loop(0, blocks, count, jnp.zeros_like(key))
+
+
 def _exchange(axis, blocks, dest, valid, payload, pair_rows, out_rows):
     """One all-to-all stage: send each valid row to block ``dest`` along ``axis``.
 
@@ -78,18 +98,12 @@ def _exchange(axis, blocks, dest, valid, payload, pair_rows, out_rows):
     if axis is None:
         out, count = compact(valid, payload, out_rows)
         return out, jnp.minimum(count, out_rows)
-    n = valid.shape[0]
     me = lax.axis_index(axis)
     send = valid & (dest != me)
     key = jnp.where(send, dest, blocks)
     counts = jnp.zeros(blocks + 1, int32).at[key].add(1)[:blocks]
-    first = jnp.cumsum(counts) - counts
-    order = jnp.argsort(key, stable=True)
-    sorted_key = key[order]
-    rank = jnp.arange(n, dtype=int32) - first[jnp.minimum(sorted_key, blocks - 1)]
-    sorted_slot = jnp.where((sorted_key < blocks) & (rank < pair_rows),
-                            sorted_key * pair_rows + rank, blocks * pair_rows)
-    slot = jnp.zeros(n, int32).at[order].set(sorted_slot)
+    rank = _rank_within_key(key, blocks)
+    slot = jnp.where(send & (rank < pair_rows), key * pair_rows + rank, blocks * pair_rows)
 
     def send_leaf(a):
         buf = jnp.zeros((blocks * pair_rows,) + a.shape[1:], a.dtype).at[slot].set(a, mode="drop")

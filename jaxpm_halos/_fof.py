@@ -140,23 +140,29 @@ def merge_labels(ext: Extended, ghosts: Ghosts, pencils: Pencils, component, seg
     return jnp.where(ext.valid, labels, -1), iterations
 
 
-def _group_by_label(labels, component, segments: int):
-    """Per row, the smallest local component that carries the row's global label.
+def _group_by_label(labels, component, segments: int, is_ghost, ghost_rows: int):
+    """Per row, the smallest local component that carries the row's global label, and per
+    such group whether any ghost carries its label.
 
     Ghosts can join owned pieces of one group into a single local component, so local
     components depend on the ghost width; groups keyed by global label do not. Catalogue
     sums over them then add the same owned rows in the same order whatever ghost layer
-    the decomposition was built with (FoF alone, or shared with kNN's wider one).
+    the decomposition was built with (FoF alone, or shared with kNN's wider one). A
+    component without ghost rows is a whole group, so only the components with ghosts
+    (at most one per ghost row) need their labels compared.
     """
+    has_ghost = jax.ops.segment_max(is_ghost, component, num_segments=segments)
     component_label = jax.ops.segment_min(jnp.where(labels >= 0, labels, _BIG), component,
                                           num_segments=segments)
-    sorted_label, sorted_component = lax.sort(
-        (component_label, jnp.arange(segments, dtype=int32)), num_keys=1, is_stable=True)
+    edge, _ = selection(has_ghost, ghost_rows)
+    edge_label = jnp.take(component_label, edge, mode="fill", fill_value=_BIG)
+    sorted_label, sorted_component = lax.sort((edge_label, edge), num_keys=2)
     starts = jnp.concatenate([jnp.ones(1, bool), sorted_label[1:] != sorted_label[:-1]])
-    first = lax.cummax(jnp.where(starts, jnp.arange(segments, dtype=int32), 0))
-    representative = jnp.zeros(segments, int32).at[sorted_component].set(
-        sorted_component[first])
-    return representative[component]
+    first = lax.cummax(jnp.where(starts, jnp.arange(ghost_rows, dtype=int32), 0))
+    representative = jnp.arange(segments, dtype=int32).at[sorted_component].set(
+        sorted_component[first], mode="drop")
+    group = representative[component]
+    return group, jax.ops.segment_max(is_ghost, group, num_segments=segments)
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,9 +205,9 @@ def fof_on_decomposition(pencils: Pencils, decomposition: Decomposition, linking
     component, segments, need_images, _ = local_components(ext, pencils, linking_length, width,
                                                            images, config.chunk_size)
     labels, _ = merge_labels(ext, decomposition.ghosts, pencils, component, segments)
-    group = _group_by_label(labels, component, segments)
     is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)
-    has_ghost = jax.ops.segment_max(is_ghost, group, num_segments=segments)
+    group, has_ghost = _group_by_label(labels, component, segments, is_ghost,
+                                       ext.pos.shape[0] - capacity)
     payload = migrated.payload
     cat, num, need_halos = catalogue_rows(
         pencils, pos=payload["pos"], vel=payload.get("vel"), mass=payload["mass"],
