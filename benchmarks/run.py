@@ -82,6 +82,8 @@ def data(nc, kind, mesh):
         parts = jh.from_jaxpm(disp, None, box)
         return parts, np.asarray(parts.pos).reshape(-1, 3), box
     pos = np.random.default_rng(nc).uniform(0, box, (nc ** 3, 3)).astype(np.float32)
+    # float32 rounding can give exactly L, which cKDTree(boxsize=L) rejects.
+    pos = np.where(pos >= box, np.float32(0), pos)
     x = pos if mesh is None else jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
     return x, pos, box
 
