@@ -52,8 +52,8 @@ from jax.sharding import PartitionSpec as P
 
 from ._cells import MORTON_BITS, morton_key
 from ._config import KNNConfig
-from ._domain import (Decomposition, decompose, migrate, pmax_all, psum_all, return_trip,
-                      selection)
+from ._domain import (Decomposition, decompose, domain_status, migrate, pmax_all, psum_all,
+                      return_trip, selection)
 from ._fof import z_images
 from ._frontend import Problem, local_fields, prepare, program_cache, row_masses
 from ._geometry import periodic_delta, periodic_distance2, wrap
@@ -953,12 +953,8 @@ def _device_knn(pencils: Pencils, spec: _Spec, fields, valid, n0: int, grid: boo
     dec = decompose(pencils, fields, valid, width, transfer, capacity, ghost_rows)
     mig = dec.migrated
     ext_mass = dec.ghosts.forward(pencils, mig.payload["mass"])
-    needs = {"transfer": mig.need_transfer, "capacity": mig.need_capacity,
-             "ghosts": dec.need_ghosts}
-    limits = (("transfer", Limit("DomainConfig.transfer_factor", transfer, n0)),
-              ("capacity", Limit("DomainConfig.capacity_factor", capacity, n0)),
-              ("ghosts", Limit("DomainConfig.ghost_factor", ghost_rows, n0)))
-    nonfinite = mig.nonfinite
+    domain = domain_status(pencils, dec, transfer, capacity, ghost_rows, n0)
+    needs, limits, query_nonfinite = {}, (), jnp.int32(0)
     total_mass = None
     if spec.overdensity:
         total_mass = psum_all(pencils, jnp.sum(jnp.where(mig.valid, mig.payload["mass"], 0)))
@@ -976,7 +972,7 @@ def _device_knn(pencils: Pencils, spec: _Spec, fields, valid, n0: int, grid: boo
                       "query capacity": qmig.need_capacity})
         limits += (("query transfer", Limit("DomainConfig.transfer_factor", q_transfer, qn0)),
                    ("query capacity", Limit("DomainConfig.capacity_factor", q_capacity, qn0)))
-        nonfinite = nonfinite + qmig.nonfinite
+        query_nonfinite = qmig.nonfinite
         qpos = qmig.payload["pos"]
         values = _finish(pencils, spec, nb, qpos, {"pos": qpos}, total_mass)
         origin, count, rows_in, buffers = qmig.payload["origin"], qmig.count, nq, (q_transfer,
@@ -991,8 +987,9 @@ def _device_knn(pencils: Pencils, spec: _Spec, fields, valid, n0: int, grid: boo
         origin, count, rows_in, buffers = mig.payload["origin"], mig.count, n, (transfer,
                                                                                capacity)
     needs.update(kneeds)
-    limits += klimits
-    status = Status(pmax_all(pencils, needs), psum_all(pencils, nonfinite), limits)
+    status = Status({**domain.needed, **pmax_all(pencils, needs)},
+                    domain.nonfinite + psum_all(pencils, query_nonfinite),
+                    domain.limits + limits + klimits)
     if not trip:
         return values, status, mig
     values["ok"] = jnp.ones(nb.ok.shape, bool)
