@@ -171,31 +171,56 @@ def pm_and_insitu(nc, rows):
 
 
 def child_memory(nc, what):
-    """Run one function in a fresh process and report its peak RSS growth in bytes."""
+    """Peak memory of one function in a fresh process, in bytes.
+
+    Returns ``(first, warm, temp)``: the peak RSS growth of the first call (compilation
+    included) and of a warm call (the peak reset between them through
+    ``/proc/self/clear_refs``; glibc is told to return every large block, so freed buffers
+    do not hide a new peak), and XLA's own count of the compiled program's temporary
+    buffers (per device, times the number of devices).
+    """
     code = f"""
-import os, sys, resource
+import gc, os, sys
 sys.argv = ['x']
 sys.path.insert(0, {str(HERE)!r})
 import run as b
 import jax, numpy as np
+
+def rss(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
 mesh = b.mesh_of((2, 4))
 x, pos, box = b.data({nc}, 'jaxpm', mesh)
+del pos
 jax.block_until_ready(x.pos)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if {what!r} == 'fof':
-    jax.block_until_ready(b.jh.fof(x, b=b.B, min_members=b.MIN_MEMBERS)[0])
+    fn_of = lambda p: b.jh.fof(p, b=b.B, min_members=b.MIN_MEMBERS)[0]
 else:
-    jax.block_until_ready(b.jh.knn_density(x, k=16))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print('RSS', base * 1024, peak * 1024)
+    fn_of = lambda p: b.jh.knn_density(p, k=16)
+fn = lambda: fn_of(x)
+gc.collect()
+base = rss('VmRSS')
+jax.block_until_ready(fn())
+first = rss('VmHWM') - base
+gc.collect()
+with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')
+base = rss('VmRSS')
+jax.block_until_ready(fn())
+warm = rss('VmHWM') - base
+stats = jax.jit(fn_of).lower(x).compile().memory_analysis()
+temp = stats.temp_size_in_bytes * len(jax.devices()) if stats is not None else -1
+print('RSS', first, warm, temp)
 """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=1800, env=os.environ.copy())
+                         timeout=1800, env=env)
     line = [l for l in out.stdout.splitlines() if l.startswith("RSS")]
     if not line:
         raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
-    base, peak = map(int, line[0].split()[1:])
-    return base, peak
+    return tuple(map(int, line[0].split()[1:]))
 
 
 def machine():
@@ -225,12 +250,18 @@ def report(rows, memory, path):
                      f"{r['warm'] / r['ref_time']:.2f} | {r.get('kdcount', float('nan')):.3f} | "
                      f"{r['first']:.1f} | {r.get('halos', '')} |")
     if memory:
-        lines += ["", "## Peak memory (child process, RSS growth during the call)", "",
-                  "| N | analysis | RSS before (MiB) | peak (MiB) | bytes / particle |",
+        lines += ["", "## Peak memory (child process, peak RSS growth per particle)", "",
+                  "First call: compilation included. Warm call: the peak of a second call "
+                  "(reset through /proc/self/clear_refs), i.e. the working memory of the "
+                  "analysis with the particles already resident. XLA temp: the compiled "
+                  "program's temporary buffers (per device, times the 8 devices).", "",
+                  "| N | analysis | first call (B/particle) | warm call (B/particle) | "
+                  "XLA temp (B/particle) |",
                   "|---|---|---|---|---|"]
-        for (nc, what), (base, peak) in memory.items():
-            lines.append(f"| {nc}^3 | {what} | {base / 2**20:.0f} | {peak / 2**20:.0f} | "
-                         f"{(peak - base) / nc ** 3:.0f} |")
+        for (nc, what), (first, warm, temp) in memory.items():
+            n = nc ** 3
+            lines.append(f"| {nc}^3 | {what} | {first / n:.0f} | {warm / n:.0f} | "
+                         f"{temp / n:.0f} |")
     Path(path).write_text("\n".join(lines) + "\n")
 
 
@@ -269,10 +300,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the child-process memory runs (printed, not written)")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args(argv)
+    if args.memory_only:
+        args.out = "/dev/stdout"
     rows, memory = [], {}
-    for nc in args.sizes:
+    for nc in [] if args.memory_only else args.sizes:
         for kind in ("jaxpm", "uniform"):
             bench_size(nc, kind, rows)
         if nc == 64 or nc == max(args.sizes):
@@ -283,6 +318,8 @@ def main(argv=None):
                 memory[(nc, what)] = child_memory(nc, "fof" if what == "fof" else "knn")
                 print(nc, what, memory[(nc, what)], flush=True)
     report(rows, memory, args.out)
+    if args.memory_only:
+        return
     plot(rows, Path(args.out).with_name("scaling.png"))
     (Path(args.out).with_name("results.json")).write_text(json.dumps(rows, indent=1))
     print(Path(args.out).read_text())

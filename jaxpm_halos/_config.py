@@ -81,7 +81,7 @@ class FoFConfig:
     """
 
     max_halos: int | None = None
-    chunk_size: int = 1 << 18
+    chunk_size: int = 1 << 16
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
 
     def halo_rows(self, n0: int) -> int:

@@ -66,7 +66,8 @@ _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
 _PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning step
-_GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
+_GAP = 3.0
+AB_OLD = False  # a batch ends at a gap of this many uniform k-th neighbour distances
 
 
 # ----------------------------------------------------------------------------------------
@@ -327,8 +328,12 @@ def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Quer
     centre = (qmin + qmax) / 2 - origin
     mid = (nodes.astype(dtype) + 0.5) * node_side
     dist = jnp.where(node_ok, jnp.sum((mid - centre) ** 2, axis=1), big)
-    order = jnp.argsort(dist)
-    start, count = start[order], count[order]
+    # Ranks from all pairwise comparisons: far cheaper than XLA:CPU's comparison sort.
+    before = (dist[None, :] < dist[:, None]) | ((dist[None, :] == dist[:, None])
+                                                & (i[None, :] < i[:, None]))
+    rank = jnp.sum(before, axis=1, dtype=int32)
+    start = jnp.zeros_like(start).at[rank].set(start, unique_indices=True)
+    count = jnp.zeros_like(count).at[rank].set(count, unique_indices=True)
 
     # Complete region: the node box (unbounded at the frame's edges) within the ghost cover
     # and within half a box of every query of the batch; candidates outside that window are
