@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -237,7 +236,7 @@ def machine():
 
 
 def report(rows, memory, path):
-    lines = [f"# jaxpm_halos benchmark results", "",
+    lines = ["# jaxpm_halos benchmark results", "",
              f"Measured {datetime.date.today()} on {machine()} by `python benchmarks/run.py`.",
              "Times are the minimum of several warm runs; ratios compare figures measured in "
              "the same process. Every jaxpm_halos result was checked against its reference.", "",
@@ -307,11 +306,13 @@ def main(argv=None):
     if args.memory_only:
         args.out = "/dev/stdout"
     rows, memory = [], {}
+    # The report is rewritten after every size, so a stopped run keeps what it measured.
     for nc in [] if args.memory_only else args.sizes:
         for kind in ("jaxpm", "uniform"):
             bench_size(nc, kind, rows)
         if nc == 64 or nc == max(args.sizes):
             pm_and_insitu(nc, rows)
+        report(rows, memory, args.out)
     if not args.no_memory:
         for nc in args.sizes:
             for what in ("fof", "knn_density k=16"):
