@@ -66,8 +66,8 @@ _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
 _PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning step
-_GAP = 3.0
-AB_OLD = False  # a batch ends at a gap of this many uniform k-th neighbour distances
+_GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
+_TIE_BLOCK = 64  # rows whose equal distances are put in id order together
 
 
 # ----------------------------------------------------------------------------------------
@@ -612,29 +612,28 @@ class Neighbours(NamedTuple):
 
 
 def _sort_ties(d2, ids, codes):
-    """Order each row by (d2, id): fixes the order of equal distances (odd-even
-    transposition; rows are already sorted by d2)."""
-    k = d2.shape[1]
+    """Order each row by (d2, id): fixes the order of equal distances. Rows are already
+    sorted by d2 and exact ties are rare, so only the rows holding one are sorted,
+    ``_TIE_BLOCK`` at a time."""
+    n, k = d2.shape
     if k < 2:
         return d2, ids, codes
-    parity = jnp.arange(k - 1) % 2
+    tied = jnp.any((d2[:, 1:] == d2[:, :-1]) & jnp.isfinite(d2[:, 1:]), axis=1)
+    block = min(n, _TIE_BLOCK)
+    rows, count = selection(tied, n)
+    rows = jnp.concatenate([rows, jnp.full((block,), n, int32)])
 
-    def one_round(r, arrays):
-        d2, ids, codes = arrays
-        swap = (parity == r % 2) & ((d2[:, 1:] < d2[:, :-1])
-                                    | ((d2[:, 1:] == d2[:, :-1]) & (ids[:, 1:] < ids[:, :-1])))
-        no = jnp.zeros_like(swap[:, :1])
-        with_next = jnp.concatenate([swap, no], axis=1)
-        with_prev = jnp.concatenate([no, swap], axis=1)
+    def sort_block(state):
+        b, d2, ids, codes = state
+        r = lax.dynamic_slice_in_dim(rows, b * block, block)
+        rc = jnp.minimum(r, n - 1)
+        ordered = lax.sort((d2[rc], ids[rc], codes[rc]), dimension=1, num_keys=2)
+        d2, ids, codes = (a.at[r].set(v, mode="drop") for a, v in zip((d2, ids, codes), ordered))
+        return b + 1, d2, ids, codes
 
-        def apply(x):
-            nxt = jnp.concatenate([x[:, 1:], x[:, -1:]], axis=1)
-            prv = jnp.concatenate([x[:, :1], x[:, :-1]], axis=1)
-            return jnp.where(with_next, nxt, jnp.where(with_prev, prv, x))
-
-        return apply(d2), apply(ids), apply(codes)
-
-    return lax.fori_loop(0, k, one_round, (d2, ids, codes))
+    _, d2, ids, codes = lax.while_loop(lambda s: s[0] * block < count, sort_block,
+                                       (jnp.int32(0), d2, ids, codes))
+    return d2, ids, codes
 
 
 def _drop_self(d2, ids, codes, self_id, k: int):
@@ -796,9 +795,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     if self_mode:
         own_id = jnp.where(jnp.arange(n_q) < ext.owned, ext.id[:n_q], -2)
         d2, nb_id, codes = _drop_self(d2, nb_id, codes, own_id, k)
-    # Equal distances in id order (only runs when some row has a tie).
-    tie = jnp.any((d2[:, 1:] == d2[:, :-1]) & jnp.isfinite(d2[:, 1:]))
-    d2, nb_id, codes = lax.cond(tie, lambda a: _sort_ties(*a), lambda a: a, (d2, nb_id, codes))
+    d2, nb_id, codes = _sort_ties(d2, nb_id, codes)
 
     pos_table = jnp.concatenate([ext_pos, jnp.zeros((1, 3), ext_pos.dtype),
                                  r_pos.reshape(-1, 3)])

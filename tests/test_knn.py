@@ -130,6 +130,22 @@ def test_k(clustered, k):
     _check_exact(clustered, BOX, k, dist, idx)
 
 
+def test_exact_ties_are_listed_in_id_order():
+    """On a lattice every distance is an exact tie with 6, 12 or 8 others: each run of
+    equal distances lists its ids in ascending order, on one device and on a mesh."""
+    side = 8
+    grid = np.stack(np.meshgrid(*[np.arange(side)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    pos = grid.astype(np.float32)
+    for dist, idx in (jh.knn(pos, float(side), 20),
+                      jh.knn(_shard(make_mesh((2, 4)), pos), float(side), 20)):
+        dist, idx = np.asarray(dist), np.asarray(idx)
+        _check_exact(pos, float(side), 20, dist, idx)
+        np.testing.assert_array_equal(dist[:, :6], 1.0)
+        run = dist[:, 1:] == dist[:, :-1]
+        assert run.sum() > 10 * len(pos)
+        assert np.all(idx[:, 1:][run] > idx[:, :-1][run]), "a tie is not in id order"
+
+
 def test_spheres_wider_than_the_ghost_layer_are_completed_across_devices(clustered):
     # A ghost layer far thinner than the k-th neighbour distance: almost every particle
     # near a face needs the cross-device pass, whose buffer grows automatically.
