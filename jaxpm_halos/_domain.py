@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._cells import sort_rows
 from ._layout import Pencils
 from ._status import Limit, Status
 
@@ -77,7 +78,7 @@ def _rank_within_key(key, blocks: int):
     slow on XLA:CPU, until meshes have tens of blocks along an axis.
     """
     if blocks > 32:
-        order = jnp.argsort(key, stable=True)
+        _, order = sort_rows(key)
         counts = jnp.zeros(blocks + 1, int32).at[key].add(1)
         first = jnp.cumsum(counts) - counts
         sorted_rank = jnp.arange(key.shape[0], dtype=int32) - first[key[order]]

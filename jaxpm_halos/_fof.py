@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ._catalogue import Catalogue, catalogue_rows
-from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, union
+from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
 from ._config import FoFConfig
 from ._domain import (Decomposition, Extended, Ghosts, decompose, domain_status, pmax_all, psum_all,
                       return_trip, selection)
@@ -156,7 +156,8 @@ def _group_by_label(labels, component, segments: int, is_ghost, ghost_rows: int)
                                           num_segments=segments)
     edge, _ = selection(has_ghost, ghost_rows)
     edge_label = jnp.take(component_label, edge, mode="fill", fill_value=_BIG)
-    sorted_label, sorted_component = lax.sort((edge_label, edge), num_keys=2)
+    sorted_label, at = sort_rows(edge_label)  # edges are ascending: ties stay in edge order
+    sorted_component = edge[at]
     starts = jnp.concatenate([jnp.ones(1, bool), sorted_label[1:] != sorted_label[:-1]])
     first = lax.cummax(jnp.where(starts, jnp.arange(ghost_rows, dtype=int32), 0))
     representative = jnp.arange(segments, dtype=int32).at[sorted_component].set(

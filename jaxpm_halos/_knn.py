@@ -50,7 +50,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ._cells import MORTON_BITS, morton_key
+from ._cells import MORTON_BITS, morton_key, sort_rows
 from ._config import KNNConfig
 from ._domain import (Decomposition, decompose, domain_status, migrate, pmax_all, psum_all,
                       return_trip, selection)
@@ -173,8 +173,7 @@ def build_index(frame: _Frame, ext, origin, image_rows: int):
     ids = jnp.where(valid, ext.id[ext_row], _SENTINEL)
     c = _cells_of(frame, local, origin)
     key = jnp.where(valid, morton_key(c[:, 0], c[:, 1], c[:, 2]), _SENTINEL)
-    rows = jnp.arange(key.shape[0], dtype=int32)
-    key, order = lax.sort((key, rows), num_keys=1, is_stable=True)
+    key, order = sort_rows(key)
     sid = ids[order]
     owned = (order < ext.owned) & (key != _SENTINEL)
     er = ext_row[order]
@@ -687,7 +686,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         n_q = qpos.shape[0]
         c = _cells_of(frame, qpos, origin)
         qkey = jnp.where(qv, morton_key(c[:, 0], c[:, 1], c[:, 2]), _SENTINEL)
-        qkey, order = lax.sort((qkey, jnp.arange(n_q, dtype=int32)), num_keys=1)
+        qkey, order = sort_rows(qkey)
         count = jnp.sum(qv, dtype=int32)
         qvalid = jnp.arange(n_q) < count
         qs = qpos[order]

@@ -132,3 +132,18 @@ def test_overflow_is_reported_with_a_value_that_fits(flat):
     value = float(info.value.args[0].split("transfer_factor=")[1].rstrip(").").split(")")[0])
     out, pencils, capacity = _run(x, mesh, 0.5, jh.DomainConfig(transfer_factor=value))
     _check(out, pencils, capacity, flat, 0.5)
+
+
+def test_sort_rows_is_a_stable_argsort():
+    """The packed single-key sort equals numpy's stable argsort, with duplicates, negative
+    keys and the int32 extremes, inside jit and with x64 off."""
+    from jaxpm_halos._cells import sort_rows
+
+    rng = np.random.default_rng(1)
+    key = rng.integers(-50, 50, 5000).astype(np.int32)
+    key[:7] = [np.iinfo(np.int32).max, np.iinfo(np.int32).min, 0, -1, 0, 49, -50]
+    sorted_key, order = jax.jit(sort_rows)(jnp.asarray(key))
+    assert sorted_key.dtype == jnp.int32 and order.dtype == jnp.int32
+    want = np.argsort(key, kind="stable")
+    np.testing.assert_array_equal(np.asarray(order), want)
+    np.testing.assert_array_equal(np.asarray(sorted_key), key[want])
