@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._cells import sort_rows
 from ._domain import pmax_all, route, route_needs, selection
 from ._geometry import periodic_delta, wrap
 from ._layout import Pencils
@@ -124,7 +125,7 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
 def _combine(rows, n, box, min_members, halo_rows):
     """Combine partial rows of the same label into catalogue rows (sorted by label)."""
     valid = jnp.arange(halo_rows) < n
-    order = jnp.argsort(jnp.where(valid, rows["label"], _BIG))
+    _, order = sort_rows(jnp.where(valid, rows["label"], _BIG))
     rows = jax.tree.map(lambda a: a[order], rows)
     valid = valid[order]
     label = rows["label"]

@@ -78,10 +78,10 @@ def _rank_within_key(key, blocks: int):
     slow on XLA:CPU, until meshes have tens of blocks along an axis.
     """
     if blocks > 32:
-        _, order = sort_rows(key)
+        sorted_key, order = sort_rows(key)
         counts = jnp.zeros(blocks + 1, int32).at[key].add(1)
         first = jnp.cumsum(counts) - counts
-        sorted_rank = jnp.arange(key.shape[0], dtype=int32) - first[key[order]]
+        sorted_rank = jnp.arange(key.shape[0], dtype=int32) - first[sorted_key]
         return jnp.zeros_like(key).at[order].set(sorted_rank)
 
     def count(d, rank):

@@ -446,7 +446,7 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     n_plan = (count + pg * batch - 1) // (pg * batch)
     _, plans = lax.while_loop(lambda s: s[0] < n_plan, plan_body, (jnp.int32(0), plans))
     work = jnp.sum(plans.count, axis=1)
-    order = jnp.argsort(-work)
+    _, order = sort_rows(-work)
     kk = k + 1 if self_mode else k
     scan_fn = jax.vmap(functools.partial(_scan_batch, index, frame, kk=kk, chunk=cfg.chunk_size))
     out_d2 = jnp.full((nb, batch, kk), jnp.inf, dtype)
