@@ -68,6 +68,7 @@ _LEVELS = MORTON_BITS
 _PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning step
 _GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
 _TIE_BLOCK = 64  # rows whose equal distances are put in id order together
+_AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
 
 
 # ----------------------------------------------------------------------------------------
@@ -396,21 +397,21 @@ def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, c
     return run_d2, run_row
 
 
-def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries, rho_q,
-            count, k: int, cfg: KNNConfig, batch: int, self_mode: bool):
+def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries, rho_q, target,
+            count, state, k: int, cfg: KNNConfig, batch: int, group: int, self_mode: bool,
+            scale: float):
     """Search every valid query (the first ``count`` rows of ``q``) in batches of
-    ``batch`` consecutive queries.
+    ``batch`` consecutive queries, and write each query's result to its row ``target``
+    of the per-query ``state`` (see :func:`knn_device`).
 
     First every batch plans its region; then the batches are taken in order of decreasing
-    work, ``cfg.group_size`` side by side, so that batches stepping through their candidate
-    chunks together have about as many chunks each. Only batches holding valid queries
-    are planned and scanned.
-
-    Returns ``(d2, rows, coverage, rho)`` per query.
+    work, ``group`` side by side, so that batches stepping through their candidate chunks
+    together have about as many chunks each. Only batches holding valid queries are
+    planned and scanned.
     """
     n = q.canon.shape[0]
     dtype = q.canon.dtype
-    g = cfg.group_size
+    g = group
     per_group = g * batch
     padded = -(-n // per_group) * per_group
     nb = padded // batch
@@ -422,6 +423,7 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     qb = Queries(padq(q.f, 0), padq(q.i, 0))
     qb = jax.tree.map(lambda a: a.reshape((nb, batch) + a.shape[1:]), qb)
     rb = padq(rho_q, 0).reshape(nb, batch)
+    tb = padq(target, state[0].shape[0]).reshape(nb, batch)
     n_groups = (count + per_group - 1) // per_group
     plan_fn = jax.vmap(functools.partial(_plan_batch, index, frame, origin, cover_lo, cover_hi,
                                          k=k, radius_factor=cfg.radius_factor))
@@ -435,8 +437,8 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     while nb % pg:
         pg //= 2
 
-    def plan_body(state):
-        gi, plans = state
+    def plan_body(carry):
+        gi, plans = carry
         s = gi * pg
         cut = lambda a: lax.dynamic_slice_in_dim(a, s, pg)
         new = plan_fn(jax.tree.map(cut, qb), cut(rb))
@@ -449,21 +451,22 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     _, order = sort_rows(-work)
     kk = k + 1 if self_mode else k
     scan_fn = jax.vmap(functools.partial(_scan_batch, index, frame, kk=kk, chunk=cfg.chunk_size))
-    out_d2 = jnp.full((nb, batch, kk), jnp.inf, dtype)
-    out_row = jnp.zeros((nb, batch, kk), int32)
 
-    def scan_body(state):
-        gi, d2s, rows = state
+    def scan_body(carry):
+        gi, fs, is_ = carry
         ids = lax.dynamic_slice_in_dim(order, gi * g, g)
-        d2, row = scan_fn(jax.tree.map(lambda a: a[ids], qb),
-                          jax.tree.map(lambda a: a[ids], plans))
-        return gi + 1, d2s.at[ids].set(d2), rows.at[ids].set(row)
+        plan = jax.tree.map(lambda a: a[ids], plans)
+        d2, row = scan_fn(jax.tree.map(lambda a: a[ids], qb), plan)
+        d2, row = d2.reshape(per_group, kk), row.reshape(per_group, kk)
+        rho = jnp.broadcast_to(plan.rho[:, None], (g, batch)).reshape(per_group)
+        status, new_rho = _classify(frame, d2, plan.coverage.reshape(per_group), rho, scale)
+        t = tb[ids].reshape(per_group)
+        fs = fs.at[t].set(jnp.concatenate([d2, new_rho[:, None]], 1), mode="drop")
+        is_ = is_.at[t].set(jnp.concatenate([row, status[:, None]], 1), mode="drop")
+        return gi + 1, fs, is_
 
-    _, d2s, rows = lax.while_loop(lambda s: s[0] < n_groups, scan_body,
-                                  (jnp.int32(0), out_d2, out_row))
-    rho = jnp.broadcast_to(plans.rho[:, None], (nb, batch))
-    flat = lambda a: a.reshape((padded,) + a.shape[2:])[:n]
-    return flat(d2s), flat(rows), flat(plans.coverage), flat(rho)
+    _, fs, is_ = lax.while_loop(lambda s: s[0] < n_groups, scan_body, (jnp.int32(0),) + state)
+    return fs, is_
 
 
 def _classify(frame: _Frame, d2, coverage, rho, scale: float):
@@ -640,9 +643,8 @@ def _drop_self(d2, ids, codes, self_id, k: int):
     kk = d2.shape[1]
     is_self = ids == self_id[:, None]
     where_self = jnp.min(jnp.where(is_self, jnp.arange(kk), kk), axis=1)
-    j = jnp.arange(k)[None, :]
-    pick = jnp.where(j < where_self[:, None], j, j + 1)
-    take = lambda a: jnp.take_along_axis(a, pick, axis=1)
+    before = jnp.arange(k)[None, :] < where_self[:, None]
+    take = lambda a: jnp.where(before, a[:, :k], a[:, 1:])
     return take(d2), take(ids), take(codes)
 
 
@@ -670,7 +672,6 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     E = ext.pos.shape[0]
     self_mode = queries is None
     kk = k + 1 if self_mode else k
-    B = config.batch_size
 
     if self_mode:
         n_q = ext.owned
@@ -701,29 +702,29 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     span = min(0.125 * pencils.box_size, 4 * gap)
 
     # Per query: [d2 (kk) | next radius] and [rows (kk) | status] (packed: fewer arrays).
-    def search_pass(state):
+    def search_pass(state, batch, group):
         fs, is_ = state
         pick, cnt = selection(is_[:, kk] == 1, n_q)
         pc = jnp.clip(pick, 0, n_q - 1)
         live = jnp.arange(n_q) < cnt
         qf, qi = q.f[pc], q.i[pc]
-        slot, used = _batch_slots(qf[:, :3], live, B, gap, span)
-        put = lambda a: jnp.zeros(a.shape, a.dtype).at[slot].set(a, mode="drop")
+        slot, used = _batch_slots(qf[:, :3], live, batch, gap, span)
+        put = lambda a, fill=0: jnp.full(a.shape, fill, a.dtype).at[slot].set(a, mode="drop")
         sub = Queries(put(qf), put(jnp.stack([qi[:, 0], live.astype(int32), qi[:, 2]], 1)))
-        sd2, srows, scov, srho = _search(index, frame, origin, cover_lo, cover_hi, sub,
-                                         put(fs[pc, kk]), used, k, config, B, self_mode)
-        sstat, snew = _classify(frame, sd2, scov, srho, gap)
         # Queries that found no slot this pass stay for the next one.
-        target = jnp.where(live & (slot < n_q), pick, n_q)
-        sc = jnp.minimum(slot, n_q - 1)
-        fs = fs.at[target].set(jnp.concatenate([sd2, snew[:, None]], 1)[sc], mode="drop")
-        is_ = is_.at[target].set(jnp.concatenate([srows, sstat[:, None]], 1)[sc], mode="drop")
-        return fs, is_
+        return _search(index, frame, origin, cover_lo, cover_hi, sub, put(fs[pc, kk]),
+                       put(jnp.where(live, pick, n_q), n_q), used, state, k, config, batch,
+                       group, self_mode, gap)
 
     init = (jnp.concatenate([jnp.full((n_q, kk), jnp.inf, dtype),
                              jnp.full((n_q, 1), -1, dtype)], 1),
             jnp.concatenate([jnp.full((n_q, kk), R, int32), qvalid.astype(int32)[:, None]], 1))
-    fs, is_ = lax.while_loop(lambda s: jnp.any(s[1][:, kk] == 1), search_pass, init)
+    state = search_pass(init, config.batch_size, config.group_size)
+    # The queries searched again are scattered: smaller batches, more of them side by side.
+    batch = min(_AGAIN_BATCH, config.batch_size)
+    group = config.group_size * config.batch_size // batch
+    fs, is_ = lax.while_loop(lambda s: jnp.any(s[1][:, kk] == 1),
+                             lambda s: search_pass(s, batch, group), state)
     d2, rows, status = fs[:, :kk], is_[:, :kk], is_[:, kk]
 
     # Cross-device pass for spheres that leave the ghost layer.
