@@ -58,7 +58,10 @@ def mesh_of(shape):
 
 
 def timed(fn, repeats=REPEATS):
-    """(first call seconds, min warm seconds, result)."""
+    """(first call seconds, min warm seconds, result).
+
+    The compiled programs are dropped afterwards: every one keeps its JIT code mapped, and a
+    full run would otherwise pass the kernel's ``vm.max_map_count`` (see README)."""
     t = time.perf_counter()
     result = jax.block_until_ready(fn())
     first = time.perf_counter() - t
@@ -67,6 +70,7 @@ def timed(fn, repeats=REPEATS):
         t = time.perf_counter()
         result = jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - t)
+    jh.clear_caches()
     return first, best, result
 
 
