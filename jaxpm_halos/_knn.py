@@ -22,6 +22,8 @@ Per device (inside ``shard_map``):
    a box of every query of its batch). Others are searched again with their k-th distance
    as radius (or twice the radius when fewer than k rows were found), in later passes of
    the same program, until every query is exact or its sphere leaves the ghost layer.
+   These queries are scattered, so later passes use batches of at most 4. Every pass
+   writes its results straight into the per-query state.
 5. Those last ones (voids near a pencil face, or k-th neighbours beyond a narrow pencil)
    are gathered on every device; each device whose pencil their sphere reaches returns its
    own particles' k nearest (brute force over the chunks of its rows the sphere reaches),
@@ -65,7 +67,8 @@ int32 = jnp.int32
 _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
-_PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning step
+_PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning step,
+_PLAN_BATCHES = 64  # but at most this many batches
 _GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
 _TIE_BLOCK = 64  # rows whose equal distances are put in id order together
 _AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
@@ -432,8 +435,9 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
                   jnp.zeros((nb, 3), dtype), jnp.zeros((nb, 3), dtype),
                   jnp.zeros((nb, batch), dtype), jnp.zeros((nb,), dtype))
 
-    # Plans are cheap: many batches per step (fewer loop iterations, less overhead).
-    pg = g * _PLAN_GROUPS
+    # Plans are cheap: many batches per step (fewer loop iterations, less overhead), but
+    # each batch's planning temporaries grow with _NODES**2.
+    pg = min(g * _PLAN_GROUPS, _PLAN_BATCHES)
     while nb % pg:
         pg //= 2
 
