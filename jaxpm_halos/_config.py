@@ -102,7 +102,9 @@ class KNNConfig:
       batch_size: queries searched together; each batch of spatially consecutive queries
         shares one set of candidate rows.
       chunk_size: candidates merged into the running k nearest per step.
-      group_size: batches processed side by side in one step (vectorised).
+      group_size: batches processed side by side in one step (vectorised). Queries searched
+        again (their k-th neighbour lay beyond the first search) are scattered: they go in
+        batches of at most 4, with ``batch_size * group_size`` queries per step.
       radius_factor: first-pass search radius relative to the k-th neighbour distance
         estimated from the batch's own density. Queries whose k-th neighbour lies beyond
         the searched region are searched again with that distance as radius.

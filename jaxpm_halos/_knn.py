@@ -410,7 +410,8 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     First every batch plans its region; then the batches are taken in order of decreasing
     work, ``group`` side by side, so that batches stepping through their candidate chunks
     together have about as many chunks each. Only batches holding valid queries are
-    planned and scanned.
+    planned and scanned. ``scale`` is the radius from which a query that found fewer than
+    k rows starts growing (:func:`_classify`).
     """
     n = q.canon.shape[0]
     dtype = q.canon.dtype
