@@ -11,7 +11,8 @@ entry-point group ``jaxpm.extensions`` (name ``halos``), pointing at :data:`EXTE
 At each saved time the state ``y = (displacement, momentum)`` is decomposed over the mesh
 once (migration plus the widest ghost layer any selected analysis needs), every analysis
 runs on that decomposition, and all per-particle outputs make one return trip together to
-JaxPM's grid layout and sharding.
+JaxPM's grid layout and sharding. FoF, whose layer is narrow, rebuilds only the ghosts of
+its own width from the migrated particles when the shared layer is wider (kNN's).
 
 Writing an analysis::
 
