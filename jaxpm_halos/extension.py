@@ -137,7 +137,7 @@ def _fof_analysis(snap: Snapshot):
     insitu = snap.insitu
     pencils, decomposition, width = snap.pencils, snap.decomposition, snap.width
     own = _fof_width(insitu, pencils)
-    ghosts = None
+    ghost_status = None
     if width > own * (1 + 1e-6):
         # A wider layer (kNN's) would only add rows for FoF to sort and scan: FoF took
         # 0.79 s on kNN's layer against 0.36 s on its own (64^3, 8 devices).
@@ -146,12 +146,12 @@ def _fof_analysis(snap: Snapshot):
         ext, ghost_map, need = build_ghosts(pencils, mig.payload["pos"], mig.payload["id"],
                                             mig.valid, own, rows)
         decomposition, width = Decomposition(mig, ext, ghost_map, need), own
-        ghosts = Status(pmax_all(pencils, {"fof ghosts": need}), jnp.int32(0),
-                        (("fof ghosts", Limit("DomainConfig.ghost_factor", rows, snap.n0)),))
+        ghost_status = Status(pmax_all(pencils, {"fof ghosts": need}), jnp.int32(0),
+                              (("fof ghosts", Limit("DomainConfig.ghost_factor", rows, snap.n0)),))
     labels, catalogue = fof_on_decomposition(pencils, decomposition, insitu.linking_length,
                                              width, insitu.min_members, insitu.fof, snap.n0)
-    if ghosts is not None:
-        catalogue = dataclasses.replace(catalogue, status=catalogue.status.merge(ghosts))
+    if ghost_status is not None:
+        catalogue = dataclasses.replace(catalogue, status=catalogue.status.merge(ghost_status))
     return {"labels": labels, "catalogue": dataclasses.replace(catalogue, num=catalogue.num[None])}
 
 
