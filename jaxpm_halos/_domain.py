@@ -368,8 +368,14 @@ def domain_status(pencils: Pencils, decomposition: Decomposition, transfer_rows:
 
 def decompose(pencils: Pencils, fields: dict, valid, width: float, transfer_rows: int,
               capacity_rows: int, ghost_rows: int) -> Decomposition:
-    """:func:`migrate`, then :func:`build_ghosts` of the given width."""
+    """:func:`migrate`, then :func:`with_ghosts` of the given width."""
     migrated = migrate(pencils, fields, valid, transfer_rows, capacity_rows)
+    return with_ghosts(pencils, migrated, width, ghost_rows)
+
+
+def with_ghosts(pencils: Pencils, migrated: Migrated, width: float,
+                ghost_rows: int) -> Decomposition:
+    """The decomposition of already migrated particles with ghosts of the given width."""
     ext, ghosts, need = build_ghosts(pencils, migrated.payload["pos"], migrated.payload["id"],
                                      migrated.valid, width, ghost_rows)
     return Decomposition(migrated, ext, ghosts, need)

@@ -38,8 +38,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._config import FoFConfig, KNNConfig
-from ._domain import (Decomposition, build_ghosts, decompose, domain_status, pmax_all,
-                      return_trip)
+from ._domain import (Decomposition, decompose, domain_status, pmax_all, return_trip,
+                      with_ghosts)
 from ._fof import fof_on_decomposition, ghost_width as fof_ghost_width
 from ._knn import density_from, ghost_width as knn_ghost_width, knn_on_decomposition
 from ._frontend import local_fields, prepare, program_cache
@@ -141,12 +141,11 @@ def _fof_analysis(snap: Snapshot):
     if width > own * (1 + 1e-6):
         # A wider layer (kNN's) would only add rows for FoF to sort and scan: FoF took
         # 0.79 s on kNN's layer against 0.36 s on its own (64^3, 8 devices).
-        mig = decomposition.migrated
         rows = insitu.fof.domain.ghost_rows(snap.n0, width_fraction(pencils, own))
-        ext, ghost_map, need = build_ghosts(pencils, mig.payload["pos"], mig.payload["id"],
-                                            mig.valid, own, rows)
-        decomposition, width = Decomposition(mig, ext, ghost_map, need), own
-        ghost_status = Status(pmax_all(pencils, {"fof ghosts": need}), jnp.int32(0),
+        decomposition = with_ghosts(pencils, decomposition.migrated, own, rows)
+        width = own
+        ghost_status = Status(pmax_all(pencils, {"fof ghosts": decomposition.need_ghosts}),
+                              jnp.int32(0),
                               (("fof ghosts", Limit("DomainConfig.ghost_factor", rows, snap.n0)),))
     labels, catalogue = fof_on_decomposition(pencils, decomposition, insitu.linking_length,
                                              width, insitu.min_members, insitu.fof, snap.n0)
