@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +79,12 @@ class Status:
         return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite),
                       self.limits + other.limits)
 
-    def message(self) -> str | None:
-        """Host-side: the error message for the first failure, or None when all is well."""
+    def message(self, spell: Callable[[str, str], str] | None = None) -> str | None:
+        """Host-side: the error message for the first failure, or None when all is well.
+
+        ``spell(config, setting)`` writes where the setting (e.g.
+        ``"DomainConfig(ghost_factor=1.5)"``) goes, for callers holding nested configs.
+        """
         nonfinite = int(np.max(np.asarray(self.nonfinite)))
         if nonfinite:
             return (f"jaxpm_halos: {nonfinite} particle positions are NaN or inf; they were "
@@ -92,18 +96,20 @@ class Status:
             # Buffers sharing a knob are resized together.
             needed = max(needs[n] for n, other in self.limits if other.knob == limit.knob)
             config, field = limit.knob.split(".")
+            setting = f"{config}({field}={limit.suggest(needed)})"
             text = (f"jaxpm_halos: buffer '{name}' overflowed: {needs[name]} rows were needed per "
                     f"device but {limit.knob} gives {limit.rows}. Rerun with "
-                    f"{config}({field}={limit.suggest(needed)}).")
+                    f"{setting if spell is None else spell(config, setting)}.")
             if position + 1 < len(self.limits):
                 text += (" Buffers after this one saw truncated data; if one of them overflows "
                          "next, its error will say so.")
             return text
         return None
 
-    def check(self) -> None:
-        """Host-side: raise :class:`CapacityError` / :class:`InvalidInputError` on failure."""
-        text = self.message()
+    def check(self, spell: Callable[[str, str], str] | None = None) -> None:
+        """Host-side: raise :class:`CapacityError` / :class:`InvalidInputError` on failure
+        (``spell`` as in :meth:`message`)."""
+        text = self.message(spell)
         if text is None:
             return
         if "NaN or inf" in text:

@@ -141,12 +141,18 @@ def _fof_analysis(snap: Snapshot):
     if width > own * (1 + 1e-6):
         # A wider layer (kNN's) would only add rows for FoF to sort and scan: FoF took
         # 0.79 s on kNN's layer against 0.36 s on its own (64^3, 8 devices).
-        rows = insitu.fof.domain.ghost_rows(snap.n0, width_fraction(pencils, own))
+        rows = _ghost_rows(insitu, pencils, snap.n0, own)
+        shared = decomposition
         decomposition = with_ghosts(pencils, decomposition.migrated, own, rows)
         width = own
-        ghost_status = Status(pmax_all(pencils, {"fof ghosts": decomposition.need_ghosts}),
-                              jnp.int32(0),
-                              (("fof ghosts", Limit("DomainConfig.ghost_factor", rows, snap.n0)),))
+        # The shared layer rides along so that an overflow here suggests a ghost_factor
+        # that fits both buffers: setting it sizes them alike.
+        needs = {"fof ghosts": decomposition.need_ghosts, "shared ghosts": shared.need_ghosts}
+        knob = "DomainConfig.ghost_factor"
+        limits = (("fof ghosts", Limit(knob, rows, snap.n0)),
+                  ("shared ghosts", Limit(knob, _ghost_rows(insitu, pencils, snap.n0,
+                                                            snap.width), snap.n0)))
+        ghost_status = Status(pmax_all(pencils, needs), jnp.int32(0), limits)
     labels, catalogue = fof_on_decomposition(pencils, decomposition, insitu.linking_length,
                                              width, insitu.min_members, insitu.fof, snap.n0)
     if ghost_status is not None:
@@ -269,10 +275,34 @@ class InSitu:
 
 
 def check(outputs) -> None:
-    """Host-side: raise if any buffer of an in-situ run overflowed, at any snapshot."""
-    for status in jax.tree.leaves(outputs, is_leaf=lambda x: isinstance(x, Status)):
-        if isinstance(status, Status):
-            status.check()
+    """Host-side: raise if any buffer of an in-situ run overflowed, at any snapshot.
+
+    Given the whole output of an :class:`InSitu` call, the error spells the setting as an
+    ``InSitu`` argument: the shared decomposition and FoF are sized by ``InSitu.fof``,
+    kNN by ``InSitu.knn``.
+    """
+    parts = outputs.items() if isinstance(outputs, Mapping) else [(None, outputs)]
+    for name, part in parts:
+        spell = _spell_in_situ(_CONFIG_OF.get(name))
+        for status in jax.tree.leaves(part, is_leaf=lambda x: isinstance(x, Status)):
+            if isinstance(status, Status):
+                status.check(spell)
+
+
+_CONFIG_OF = {"domain": "fof", "fof": "fof", "knn_density": "knn"}
+
+
+def _spell_in_situ(attr: str | None):
+    if attr is None:
+        return None
+    owner = {"fof": "FoFConfig", "knn": "KNNConfig"}[attr]
+
+    def spell(config: str, setting: str) -> str:
+        if config == "DomainConfig":
+            setting = f"{owner}(domain={setting})"
+        return f"InSitu({attr}={setting})"
+
+    return spell
 
 
 def _state_layout(insitu: InSitu, y):
@@ -301,7 +331,7 @@ def _compiled(insitu: InSitu, problem, dtype):
     width = max([a.width(insitu, pencils) for a in selected] + [0.0])
     dom = insitu.fof.domain
     transfer, capacity = dom.transfer_rows(n0, True), dom.capacity_rows(n0)
-    ghost = dom.ghost_rows(n0, width_fraction(pencils, width))
+    ghost = _ghost_rows(insitu, pencils, n0, width)
     nc = insitu.nc
     mass = units.particle_mass(insitu.omega_m, insitu.box_size, nc) if insitu.omega_m else 1.0
 
@@ -340,6 +370,10 @@ def _compiled(insitu: InSitu, problem, dtype):
     out_specs = {"a": P(), "domain": P(),
                  **jax.tree.map(lambda kind: spec_of[kind], kinds)}
     return jax.jit(lambda y, a: layout.run(device, (y, a), (state_spec, P()), out_specs))
+
+
+def _ghost_rows(insitu: InSitu, pencils: Pencils, n0: int, width: float) -> int:
+    return insitu.fof.domain.ghost_rows(n0, width_fraction(pencils, width))
 
 
 def _leaf_kinds(selected, results):

@@ -1,5 +1,6 @@
 """The JaxPM extension: entry point, user analyses, in-situ runs inside diffeqsolve, errors."""
 
+import re
 from importlib.metadata import entry_points
 
 import jax
@@ -254,3 +255,39 @@ def test_state_sharded_over_the_wrong_axes(spec):
     insitu = InSitu(box_size=32.0, analyses=("fof",))
     with pytest.raises(ValueError, match=r"sharded over its grid's first two axes"):
         insitu(y, 1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Capacities
+
+
+@NEEDS_KNN
+def test_overflow_of_fofs_own_ghost_layer_names_a_setting_that_fits():
+    """kNN widens the shared ghost layer, and FoF rebuilds a narrow one of its own. A clump
+    hugging a domain face overflows only FoF's buffer: the error must spell the InSitu
+    setting, and its value must fit both ghost buffers (they share the knob)."""
+    nc, box = 16, 16.0
+    mesh = make_mesh((2, 4))  # pencils of 8 x 4 Mpc/h
+    rng = np.random.default_rng(5)
+    disp = rng.uniform(-0.3, 0.3, (nc, nc, nc, 3)).astype(np.float32)
+    lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    block = np.flatnonzero((lattice[:, 0] < 8) & (lattice[:, 1] < 4))  # device (0, 0)'s
+    moved = rng.permutation(block)[:300]
+    clump = np.array([4.0, 3.9, 8.0]) + rng.uniform(-0.05, 0.05, (300, 3))
+    disp.reshape(-1, 3)[moved] = clump - lattice[moved]
+    y = jax.device_put(jnp.stack([jnp.asarray(disp), jnp.zeros((nc, nc, nc, 3))]),
+                       state_sharding(mesh))
+
+    overflow = r"buffer 'fof ghosts' overflowed"
+    with pytest.raises(jaxpm_halos.CapacityError, match=overflow) as error:
+        InSitu(box_size=box)(y)
+    setting = re.search(r"Rerun with (InSitu\(fof=FoFConfig\(domain=DomainConfig\("
+                        r"ghost_factor=([0-9.]+)\)\)\))", str(error.value))
+    assert setting, str(error.value)
+    fitted = InSitu(box_size=box, fof=jaxpm_halos.FoFConfig(
+        domain=jaxpm_halos.DomainConfig(ghost_factor=float(setting.group(2)))))
+    out = fitted(y)  # raises if any buffer, FoF's or the shared one, still overflows
+    labels, _ = jaxpm_halos.fof(from_jaxpm(y, box_size=box), b=0.2, min_members=20,
+                                config=fitted.fof)
+    np.testing.assert_array_equal(np.asarray(out["fof"]["labels"]), np.asarray(labels))
+    assert np.bincount(np.asarray(labels).ravel()).max() >= 300
