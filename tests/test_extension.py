@@ -96,44 +96,47 @@ NC, BOX, STEPS, TS = 32, 32.0, 5, (0.5, 1.0)
 OMEGA_C, SIGMA8 = 0.25, 0.8
 
 
-@pytest.fixture(scope="module")
-def insitu_run():
-    """A 32^3, 32 Mpc/h JaxPM run (2LPT at a = 0.1, 5 LeapfrogMidpoint steps) on a (2, 4)
-    mesh with ``InSitu(...).saveat(ts)`` as diffeqsolve's SaveAt: the README recipe."""
+def simulate(insitu, mesh, nc, box, steps, ts, seed=0, amplitude=1.0, order=2, adjoint=None):
+    """JaxPM from a = 0.1 (LPT of ``order``) to 1 in ``steps`` LeapfrogMidpoint steps, with
+    ``insitu.saveat(ts)`` as diffeqsolve's SaveAt: the README recipe. ``amplitude`` scales
+    the linear field. Returns the saved outputs and whether the solve succeeded."""
     import diffrax
     import jax_cosmo as jc
     from jaxpm.kernels import interpolate_power_spectrum
     from jaxpm.pm import linear_field, lpt, make_diffrax_ode
 
-    mesh = make_mesh((2, 4))
     sharding = NamedSharding(mesh, P("x", "y"))
+    shape, halo = (nc,) * 3, nc // 2
+    k = jnp.logspace(-4, 1, 128)
+    pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), k)
+    field = amplitude * linear_field(shape, [box] * 3,
+                                     lambda x: interpolate_power_spectrum(x, k, pk, sharding),
+                                     seed=jax.random.PRNGKey(seed), sharding=sharding)
+    cosmo = jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8)
+    dx, p, _ = lpt(cosmo, field, a=0.1, order=order, halo_size=halo, sharding=sharding)
+    ode = diffrax.ODETerm(make_diffrax_ode(shape, paint_absolute_pos=False, halo_size=halo,
+                                           sharding=sharding))
+    sol = diffrax.diffeqsolve(
+        ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=jnp.stack([dx, p]),
+        args=cosmo, saveat=insitu.saveat(ts, t0=0.1, t1=1.0),
+        stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
+        max_steps=steps, throw=False, **({} if adjoint is None else {"adjoint": adjoint}))
+    return sol.ys, sol.result == diffrax.RESULTS.successful
+
+
+@pytest.fixture(scope="module")
+def insitu_run():
+    """A 32^3, 32 Mpc/h JaxPM run (2LPT at a = 0.1, 5 LeapfrogMidpoint steps) on a (2, 4)
+    mesh with ``InSitu(...).saveat(ts)`` as diffeqsolve's SaveAt."""
+    import jax_cosmo as jc
+
+    mesh = make_mesh((2, 4))
     omega_m = OMEGA_C + float(jc.Planck15().Omega_b)
     analyses = ("fof", "knn_density") if "knn_density" in REGISTRY else ("fof",)
     insitu = InSitu(box_size=BOX, analyses=analyses, b=0.2, min_members=20, k=16,
                     omega_m=omega_m, save_state=True)
-    halo = 16
-    shape = (NC,) * 3
-
-    @jax.jit
-    def simulate(seed):
-        k = jnp.logspace(-4, 1, 128)
-        pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), k)
-        field = linear_field(shape, [BOX] * 3,
-                             lambda x: interpolate_power_spectrum(x, k, pk, sharding),
-                             seed=jax.random.PRNGKey(seed), sharding=sharding)
-        cosmo = jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8)
-        dx, p, _ = lpt(cosmo, field, a=0.1, order=2, halo_size=halo, sharding=sharding)
-        ode = diffrax.ODETerm(make_diffrax_ode(shape, paint_absolute_pos=False,
-                                               halo_size=halo, sharding=sharding))
-        sol = diffrax.diffeqsolve(
-            ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None,
-            y0=jnp.stack([dx, p]), args=cosmo, saveat=insitu.saveat(TS, t0=0.1, t1=1.0),
-            stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, STEPS + 1)),
-            max_steps=STEPS, throw=False)
-        return sol.ys, sol.result == diffrax.RESULTS.successful
-
     with _quiet():
-        out, ok = simulate(0)
+        out, ok = jax.jit(lambda seed: simulate(insitu, mesh, NC, BOX, STEPS, TS, seed=seed))(0)
     assert bool(ok)
     check(out)
     return dict(out=out, insitu=insitu, mesh=mesh, omega_m=omega_m,
@@ -221,6 +224,61 @@ def test_insitu_density_equals_knn_density_afterwards(insitu_run):
     dens = out["knn_density"]["density"]
     assert dens.shape == (len(TS), NC, NC, NC)
     np.testing.assert_array_equal(np.asarray(dens[-1]), np.asarray(ref))
+
+
+@NEEDS_KNN
+@pytest.mark.slow
+def test_derivative_through_the_solve_is_the_chain_rule():
+    """Forward models differentiate through the simulation. With diffrax.ForwardMode, the
+    derivative with respect to the linear field's amplitude of the in-situ kNN density and
+    FoF centres must be the chain rule applied by hand to the final state's own tangent:
+    through each particle's k-th neighbour distance (neighbours held fixed), and through the
+    mean displacement of each halo's members. (Reverse mode through a distributed JaxPM
+    step is wrong upstream: see the README, *Gradients*.)"""
+    import diffrax
+
+    nc, box, steps, k = 16, 32.0, 3, 8
+    mesh = make_mesh((2, 4))
+    insitu = InSitu(box_size=box, analyses=("fof", "knn_density"), min_members=5, k=k,
+                    save_state=True)
+
+    def run(amplitude):
+        out, _ = simulate(insitu, mesh, nc, box, steps, (1.0,), amplitude=amplitude,
+                          adjoint=diffrax.ForwardMode())
+        cat = out["fof"]["catalogue"]
+        return (out["state"][-1], out["knn_density"]["density"][-1], cat.pos[-1],
+                cat.count[-1], cat.id[-1])
+
+    with _quiet():
+        (y, rho, centres, count, ids), (dy, drho, dcentres, _, _) = jax.jit(
+            lambda a: jax.jvp(run, (a,), (jnp.ones_like(a),)))(jnp.float32(1.0))
+    y, dy = np.asarray(y, np.float64), np.asarray(dy, np.float64)
+    assert np.abs(dy[0]).max() > 0.1, "the final displacements should depend on the amplitude"
+    scale = box / nc
+    lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1)
+    pos = (np.mod(lattice + y[0], nc) * scale).reshape(-1, 3)
+    dpos = (dy[0] * scale).reshape(-1, 3)
+
+    _, neighbours = jaxpm_halos.knn(from_jaxpm(jnp.asarray(y, jnp.float32), box_size=box), k=k)
+    j = np.asarray(neighbours).reshape(-1, k)[:, -1]
+    delta = pos - pos[j]
+    delta -= box * np.round(delta / box)
+    r2 = np.sum(delta ** 2, axis=1)
+    expected = -3 * np.asarray(rho, np.float64).reshape(-1) * np.sum(
+        delta * (dpos - dpos[j]), axis=1) / r2
+    np.testing.assert_allclose(np.asarray(drho).reshape(-1), expected, rtol=2e-3,
+                               atol=2e-3 * np.abs(expected).max())
+
+    labels = np.asarray(jaxpm_halos.fof(from_jaxpm(jnp.asarray(y, jnp.float32), box_size=box),
+                                        b=0.2, min_members=5)[0]).reshape(-1)
+    count, ids, dcentres = np.asarray(count), np.asarray(ids), np.asarray(dcentres)
+    halos = np.flatnonzero(count > 0)
+    assert len(halos) > 40, "the test run should have halos"
+    for row in halos:
+        members = labels == ids[row]
+        assert members.sum() == count[row]
+        np.testing.assert_allclose(dcentres[row], dpos[members].mean(axis=0), rtol=1e-3,
+                                   atol=1e-4 * np.abs(dpos).max())
 
 
 # ----------------------------------------------------------------------------------------
