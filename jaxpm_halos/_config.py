@@ -14,6 +14,16 @@ def _rows(factor: float, n0: int) -> int:
     return max(1, math.ceil(factor * n0))
 
 
+# Rows added to the default exchange buffers. With a few hundred particles per device (16^3
+# on 8 devices) a face layer's count or a block's strays fluctuate by as much as the
+# margins in the factors; on large problems these rows cost nothing.
+_SMALL_PROBLEM_ROWS = 128
+
+
+def _default_rows(factor: float, n0: int, given: float | None) -> int:
+    return _rows(factor, n0) + (_SMALL_PROBLEM_ROWS if given is None else 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class DomainConfig:
     """Buffer sizes of the pencil-domain exchange (see :mod:`jaxpm_halos._domain`).
@@ -33,6 +43,9 @@ class DomainConfig:
       image_factor: rows for the periodic images along z (z is never cut, so rows within
         the layer width of z = 0 and z = L are copied locally), per side, in units of
         ``n0``. ``None`` sizes them like the ghosts, from the width as a fraction of the box.
+
+    Each ``None`` default also adds 128 rows, for small problems (a few hundred particles per
+    device), where these counts fluctuate by as much as the factors' margins.
     """
 
     capacity_factor: float = 2.0
@@ -49,7 +62,7 @@ class DomainConfig:
         return 0.6 if grid else 1.0
 
     def transfer_rows(self, n0: int, grid: bool) -> int:
-        return _rows(self.transfer(grid), n0)
+        return _default_rows(self.transfer(grid), n0, self.transfer_factor)
 
     def ghost(self, width_fraction: float) -> float:
         if self.ghost_factor is not None:
@@ -57,7 +70,7 @@ class DomainConfig:
         return 2 * width_fraction * (1 + 2 * width_fraction) + 0.05
 
     def ghost_rows(self, n0: int, width_fraction: float) -> int:
-        return _rows(self.ghost(width_fraction), n0)
+        return _default_rows(self.ghost(width_fraction), n0, self.ghost_factor)
 
     def image(self, width_fraction: float, box_fraction: float) -> float:
         if self.image_factor is not None:
@@ -65,7 +78,7 @@ class DomainConfig:
         return 2 * box_fraction * (1 + 4 * self.ghost(width_fraction)) + 0.05
 
     def image_rows(self, n0: int, width_fraction: float, box_fraction: float) -> int:
-        return _rows(self.image(width_fraction, box_fraction), n0)
+        return _default_rows(self.image(width_fraction, box_fraction), n0, self.image_factor)
 
 
 @dataclasses.dataclass(frozen=True)
