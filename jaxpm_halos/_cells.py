@@ -18,12 +18,20 @@ import math
 from typing import NamedTuple
 
 import jax
-import jax.experimental
 import jax.numpy as jnp
 from jax import lax
 
 int32 = jnp.int32
 _MAX_CELLS = 1 << 30
+
+
+def _x64():
+    """A context that traces under x64 (``jax.enable_x64`` from jax 0.8 on)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
 
 
 def sort_rows(key):
@@ -33,7 +41,7 @@ def sort_rows(key):
     (on CPU ~70 against ~300 ns per row), so key and row travel packed in one int64,
     traced under x64 whatever the global setting.
     """
-    with jax.experimental.enable_x64():
+    with _x64():
         rows = jnp.arange(key.shape[0], dtype=jnp.int64)
         packed = lax.sort(jnp.left_shift(key.astype(jnp.int64), 32) | rows)
         return (jnp.right_shift(packed, 32).astype(int32),

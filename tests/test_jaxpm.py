@@ -124,9 +124,9 @@ def test_float64_input():
     nc, box = 4, 10.0
     rng = np.random.default_rng(1)
     disp = rng.normal(scale=3, size=(nc, nc, nc, 3))
-    from jax.experimental import enable_x64
+    from jaxpm_halos._cells import _x64
 
-    with enable_x64():
+    with _x64():
         p = from_jaxpm(disp, box_size=box)
         assert p.pos.dtype == np.float64 and p.id.dtype == np.int32
         np.testing.assert_allclose(np.asarray(p.pos), expected_positions(disp, box), atol=1e-12)

@@ -1,0 +1,231 @@
+"""GPU benchmark: jaxpm_halos against jz-tree (the CUDA peer) on one GPU, in one process.
+
+    python benchmarks/gpu.py                       # 64^3, 128^3, 256^3
+    python benchmarks/gpu.py --sizes 64 128 256 512 --out gpu_results.json
+
+It needs a CUDA GPU, JaxPM, and jz-tree (``jztree`` and ``jztree-cu13``, which need
+jax >= 0.8). For each size it makes the data on the GPU: a JaxPM z = 0 snapshot (the
+recipe of ``run.py``: 2LPT at a = 0.1, 20 PM steps, a box of 1 Mpc/h per particle spacing,
+seed 0, here on one device) and uniform random points. Then, after a warm-up, the minimum
+of several runs of:
+
+* FoF with catalogue (b = 0.2, 20 members): ``jaxpm_halos.fof`` against
+  ``jztree.fof.fof_and_catalogue``;
+* kNN k = 16: ``jaxpm_halos.knn_density`` against ``jztree.knn.knn`` asked for the same
+  neighbour (jz-tree counts the particle itself, so it is asked for k + 1);
+* one PM step (a JaxPM force evaluation) and in-situ FoF + kNN density (k = 16), as a ratio.
+
+Correctness: jaxpm_halos' labels must equal scipy's (``cKDTree.query_pairs`` +
+``connected_components``, run on the host) and its densities cKDTree's, or the benchmark
+stops. jz-tree's labels and radii are compared with the same references and any
+disagreement is reported. ``--profile`` records the largest size's warm FoF and kNN runs
+with ``jax.profiler`` and prints the GPU kernels that dominate them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cuda")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from scipy.spatial import cKDTree  # noqa: E402
+
+from run import B, MIN_MEMBERS, canonical, min_time, scipy_fof, timed  # noqa: E402
+
+import jaxpm_halos as jh  # noqa: E402
+
+K = 16
+
+
+def snapshot(nc):
+    """JaxPM z = 0 displacement and momentum on the GPU (run.py's recipe, one device)."""
+    from jaxpm_halos.demo import run_simulation
+
+    t = time.perf_counter()
+    result = run_simulation(nc, float(nc), 20, mesh=None, seed=0)
+    y = jax.block_until_ready(jnp.stack([result.state[0], result.state[1]]))
+    print(f"snapshot {nc}^3: {time.perf_counter() - t:.1f} s", flush=True)
+    return y
+
+
+def uniform(nc):
+    box = float(nc)
+    pos = np.random.default_rng(nc).uniform(0, box, (nc ** 3, 3)).astype(np.float32)
+    return np.where(pos >= box, np.float32(0), pos)
+
+
+def jztree_fof(pos, box, l):
+    import jztree
+
+    assert jztree.config.FofConfig().catalogue.npart_min == MIN_MEMBERS
+    return lambda: jztree.fof.fof_and_catalogue.jit(pos, rlink=l, boxsize=box)
+
+
+def jztree_fof_labels(pos, box, l):
+    import jztree
+
+    _, igroup = jztree.fof.fof_labels.jit(pos, rlink=l, boxsize=box, output_order="input")
+    return canonical(np.asarray(igroup))
+
+
+def jztree_knn(pos, box, k):
+    import jztree
+
+    def radii():
+        out = jztree.knn.knn.jit(pos, k=k, boxsize=box, result="rad")
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return radii
+
+
+def bench(nc, kind, y, rows, check_scipy, profile_dir):
+    box = float(nc)
+    n = nc ** 3
+    if kind == "jaxpm":
+        parts = jh.from_jaxpm(y[0], None, box)
+        x, fof_args, knn_args = parts, (), ()
+        pos = np.asarray(parts.pos).reshape(-1, 3)
+    else:
+        pos = uniform(nc)
+        x, fof_args, knn_args = jnp.asarray(pos), (box,), (box,)
+    pos_gpu = jnp.asarray(pos)
+    l = B * box / nc
+    row = dict(size=nc, kind=kind, n=n)
+
+    first, warm, (labels, cat) = timed(lambda: jh.fof(x, *fof_args, b=B, min_members=MIN_MEMBERS))
+    labels = np.asarray(labels).reshape(-1)
+    row.update(fof_first=first, fof=warm, halos=int(np.sum(np.asarray(cat.num))))
+    jz_first, jz_warm, (_, jz_cat) = timed(jztree_fof(pos_gpu, box, l))
+    row.update(jz_fof_first=jz_first, jz_fof=jz_warm, jz_halos=int(jz_cat.ngroups))
+    jz_labels = jztree_fof_labels(pos_gpu, box, l)
+    if check_scipy:
+        t, ref = min_time(lambda: canonical(scipy_fof(pos, box, l)), repeats=1)
+        row["scipy_fof"] = t
+        if not np.array_equal(labels, ref):
+            raise AssertionError(f"jaxpm_halos FoF labels differ from scipy at {nc}^3 {kind}")
+        row["jz_fof_wrong_particles"] = int(np.sum(jz_labels != ref))
+    else:
+        # Two independent codes: any difference would be reported, and is not expected.
+        row["jz_fof_wrong_particles"] = int(np.sum(jz_labels != labels))
+
+    first, warm, rho = timed(lambda: jh.knn_density(x, *knn_args, k=K))
+    rho = np.asarray(rho).reshape(-1)
+    row.update(knn_first=first, knn=warm)
+    jz_first, jz_warm, jz_r = timed(jztree_knn(pos_gpu, box, K + 1))
+    row.update(jz_knn_first=jz_first, jz_knn=jz_warm)
+    jz_r = np.asarray(jz_r)[:, K]
+    t = time.perf_counter()
+    r_ref = cKDTree(pos, boxsize=box).query(pos, k=K + 1, workers=-1)[0][:, K]
+    row["ckdtree_knn"] = time.perf_counter() - t
+    rho_ref = (K - 1) / (4 / 3 * np.pi * r_ref ** 3)
+    if not np.allclose(rho, rho_ref, rtol=2e-5):
+        raise AssertionError(f"jaxpm_halos kNN density differs from cKDTree at {nc}^3 {kind}")
+    row["jz_knn_max_rel_err"] = float(np.max(np.abs(jz_r / r_ref - 1)))
+
+    if profile_dir is not None:
+        row["profile"] = {name: top_kernels(fn, profile_dir / f"{nc}_{kind}_{name}")
+                          for name, fn in (("fof", lambda: jh.fof(x, *fof_args, b=B,
+                                                                   min_members=MIN_MEMBERS)),
+                                           ("knn", lambda: jh.knn_density(x, *knn_args, k=K)))}
+        jh.clear_caches()
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def pm_and_insitu(nc, y, rows):
+    import jax_cosmo as jc
+    from jaxpm.pm import make_diffrax_ode
+
+    ode = make_diffrax_ode((nc,) * 3, paint_absolute_pos=False)
+    cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
+    step = jax.jit(lambda y: ode(1.0, y, cosmo))
+    _, t_pm, _ = timed(lambda: step(y))
+    insitu = jh.InSitu(box_size=float(nc), analyses=("fof", "knn_density"), k=K)
+    first, warm, out = timed(lambda: insitu(y, 1.0))
+    jh.check_insitu(out)
+    rows.append(dict(size=nc, kind="in situ", n=nc ** 3, pm_step=t_pm, insitu=warm,
+                     insitu_first=first))
+    print(json.dumps(rows[-1]), flush=True)
+
+
+def top_kernels(fn, log_dir, top=8):
+    """GPU time of one warm call of ``fn``, by kernel and by XLA op, as shares of the total.
+
+    Kernels come from the GPU's stream lines; XLA ops (HLO instruction names, which the
+    kernels are named after) from the profiler's "XLA Ops" line of the same device.
+    """
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(str(log_dir)):
+        jax.block_until_ready(fn())
+    from jax.profiler import ProfileData
+
+    kernels, ops = {}, {}
+    for path in Path(log_dir).rglob("*.xplane.pb"):
+        for plane in ProfileData.from_file(str(path)).planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                into = (ops if line.name == "XLA Ops" else
+                        kernels if "stream" in line.name.lower() else None)
+                if into is None:
+                    continue
+                for event in line.events:
+                    into[event.name] = into.get(event.name, 0.0) + event.duration_ns
+    total = sum(kernels.values())
+
+    def ranked(totals):
+        return [(name[:80], round(ns / max(total, 1), 3))
+                for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]
+
+    return dict(gpu_ms=total / 1e6, kernels=ranked(kernels), xla_ops=ranked(ops))
+
+
+def table(rows):
+    lines = ["| N | data | FoF jaxpm_halos (s) | FoF jz-tree (s) | ratio | kNN k=16 jaxpm_halos (s) "
+             "| kNN jz-tree (s) | ratio | jaxpm_halos FoF / kNN (Mpart/s) | jz-tree FoF / kNN "
+             "(Mpart/s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "fof" not in r:
+            continue
+        m = r["n"] / 1e6
+        lines.append(f"| {r['size']}^3 | {r['kind']} | {r['fof']:.4f} | {r['jz_fof']:.4f} | "
+                     f"{r['fof'] / r['jz_fof']:.2f} | {r['knn']:.4f} | {r['jz_knn']:.4f} | "
+                     f"{r['knn'] / r['jz_knn']:.2f} | {m / r['fof']:.3g} / {m / r['knn']:.3g} | "
+                     f"{m / r['jz_fof']:.3g} / {m / r['jz_knn']:.3g} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--scipy-up-to", type=int, default=256,
+                        help="check against scipy up to this size (beyond: jz-tree vs ours)")
+    parser.add_argument("--profile", default=None, help="folder for the profile traces")
+    parser.add_argument("--out", default=str(HERE / "gpu_results.json"))
+    args = parser.parse_args(argv)
+    print(jax.devices(), jax.__version__, flush=True)
+    rows = []
+    for nc in args.sizes:
+        y = snapshot(nc)
+        profile = (Path(args.profile) if args.profile and nc == max(args.sizes) else None)
+        for kind in ("jaxpm", "uniform"):
+            bench(nc, kind, y, rows, nc <= args.scipy_up_to, profile if kind == "jaxpm" else None)
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        pm_and_insitu(nc, y, rows)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        del y
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
