@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cuda")
+# jz-tree reports through host callbacks, which need the CPU platform too.
+os.environ.setdefault("JAX_PLATFORMS", "cuda,cpu")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
