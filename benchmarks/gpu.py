@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -134,10 +135,10 @@ def bench(nc, kind, y, rows, check_scipy, profile_dir):
     row["jz_knn_max_rel_err"] = float(np.max(np.abs(jz_r / r_ref - 1)))
 
     if profile_dir is not None:
-        row["profile"] = {name: top_kernels(fn, profile_dir / f"{nc}_{kind}_{name}")
-                          for name, fn in (("fof", lambda: jh.fof(x, *fof_args, b=B,
-                                                                   min_members=MIN_MEMBERS)),
-                                           ("knn", lambda: jh.knn_density(x, *knn_args, k=K)))}
+        fof = jax.jit(lambda x: jh.fof(x, *fof_args, b=B, min_members=MIN_MEMBERS))
+        knn = jax.jit(lambda x: jh.knn_density(x, *knn_args, k=K))
+        row["profile"] = {name: top_kernels(fn, (x,), profile_dir / f"{nc}_{kind}_{name}")
+                          for name, fn in (("fof", fof), ("knn", knn))}
         jh.clear_caches()
     rows.append(row)
     print(json.dumps(row), flush=True)
@@ -159,36 +160,44 @@ def pm_and_insitu(nc, y, rows):
     print(json.dumps(rows[-1]), flush=True)
 
 
-def top_kernels(fn, log_dir, top=8):
-    """GPU time of one warm call of ``fn``, by kernel and by XLA op, as shares of the total.
-
-    Kernels come from the GPU's stream lines; XLA ops (HLO instruction names, which the
-    kernels are named after) from the profiler's "XLA Ops" line of the same device.
-    """
-    jax.block_until_ready(fn())
+def top_kernels(fn, args, log_dir, top=6):
+    """GPU time of one warm call of the jitted ``fn(*args)`` by kernel, as shares of the
+    total, each with the XLA instruction it runs and that instruction's source line."""
+    jax.block_until_ready(fn(*args))
     with jax.profiler.trace(str(log_dir)):
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(*args))
     from jax.profiler import ProfileData
 
-    kernels, ops = {}, {}
+    kernels = {}
     for path in Path(log_dir).rglob("*.xplane.pb"):
         for plane in ProfileData.from_file(str(path)).planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                into = (ops if line.name == "XLA Ops" else
-                        kernels if "stream" in line.name.lower() else None)
-                if into is None:
-                    continue
-                for event in line.events:
-                    into[event.name] = into.get(event.name, 0.0) + event.duration_ns
+            if plane.name.startswith("/device:GPU"):
+                for line in plane.lines:
+                    for event in line.events:
+                        kernels[event.name] = kernels.get(event.name, 0.0) + event.duration_ns
     total = sum(kernels.values())
+    hlo = fn.lower(*args).compile().as_text()
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    return dict(gpu_ms=total / 1e6, kernels=[(name[:80], round(ns / max(total, 1), 3),
+                                              hlo_source(hlo, name))
+                                             for name, ns in ranked])
 
-    def ranked(totals):
-        return [(name[:80], round(ns / max(total, 1), 3))
-                for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])[:top]]
 
-    return dict(gpu_ms=total / 1e6, kernels=ranked(kernels), xla_ops=ranked(ops))
+def hlo_source(hlo, kernel):
+    """The HLO instruction a kernel is named after (``sort_6_1`` runs ``sort.6``), with the
+    JAX operation and source line in its metadata."""
+    parts = kernel.split("_")
+    for cut in range(len(parts) - 1, 0, -1):
+        name = "_".join(parts[:cut]) + "." + ".".join(parts[cut:])
+        for candidate in (name, name.rsplit(".", 1)[0]):
+            match = re.search(r"\n\s*(?:ROOT )?%?" + re.escape(candidate) + r" = [^\n]*", hlo)
+            if match:
+                meta = re.search(r'op_name="([^"]*)".*?source_line=(\d+)', match.group(0))
+                file = re.search(r'source_file="([^"]*)"', match.group(0))
+                where = (f"{meta.group(1)} ({Path(file.group(1)).name}:{meta.group(2)})"
+                         if meta and file else "")
+                return f"{candidate} {where}".strip()
+    return ""
 
 
 def table(rows):

@@ -68,10 +68,28 @@ _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
 _PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning step,
-_PLAN_BATCHES = 64  # but at most this many batches
+_PLAN_BATCHES = {"cpu": 64}  # but at most this many batches (accelerators: _ACCELERATOR)
 _GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
 _TIE_BLOCK = 64  # rows whose equal distances are put in id order together
 _AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
+# A GPU pays a fixed cost per loop step (kernel launches and a device-to-host read of the
+# loop condition) that a CPU hardly does, so there many more batches go side by side. At
+# 128^3 on an H100 this takes kNN from 4.6 s (the CPU setting) to 0.23 s.
+_GROUP_SIZE = {"cpu": 8}
+_ACCELERATOR = 1024  # batches per step, and 4x that per planning step
+
+
+def _for_backend(table: dict, accelerator: int) -> int:
+    return table.get(jax.default_backend(), accelerator)
+
+
+def _chunk_for_backend(chunk: int, kk: int) -> int:
+    """Candidates per merge step. XLA's GPU ``top_k`` sorts each row, padded to a power of
+    two, so there the running list plus the chunk is cut to one (kNN k = 16 at 128^3 on
+    an H100: 0.19 s against 0.23 s for rows of 17 + 256)."""
+    if jax.default_backend() != "gpu":
+        return chunk
+    return max(kk, (1 << (kk + chunk).bit_length() - 1) - kk)
 
 
 # ----------------------------------------------------------------------------------------
@@ -438,7 +456,7 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
 
     # Plans are cheap: many batches per step (fewer loop iterations, less overhead), but
     # each batch's planning temporaries grow with _NODES**2.
-    pg = min(g * _PLAN_GROUPS, _PLAN_BATCHES)
+    pg = min(g * _PLAN_GROUPS, _for_backend(_PLAN_BATCHES, 4 * _ACCELERATOR))
     while nb % pg:
         pg //= 2
 
@@ -455,7 +473,8 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     work = jnp.sum(plans.count, axis=1)
     _, order = sort_rows(-work)
     kk = k + 1 if self_mode else k
-    scan_fn = jax.vmap(functools.partial(_scan_batch, index, frame, kk=kk, chunk=cfg.chunk_size))
+    chunk = _chunk_for_backend(cfg.chunk_size, kk)
+    scan_fn = jax.vmap(functools.partial(_scan_batch, index, frame, kk=kk, chunk=chunk))
 
     def scan_body(carry):
         gi, fs, is_ = carry
@@ -724,10 +743,11 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     init = (jnp.concatenate([jnp.full((n_q, kk), jnp.inf, dtype),
                              jnp.full((n_q, 1), -1, dtype)], 1),
             jnp.concatenate([jnp.full((n_q, kk), R, int32), qvalid.astype(int32)[:, None]], 1))
-    state = search_pass(init, config.batch_size, config.group_size)
+    group = config.group_size or _for_backend(_GROUP_SIZE, _ACCELERATOR)
+    state = search_pass(init, config.batch_size, group)
     # The queries searched again are scattered: smaller batches, more of them side by side.
     batch = min(_AGAIN_BATCH, config.batch_size)
-    group = config.group_size * config.batch_size // batch
+    group = group * config.batch_size // batch
     fs, is_ = lax.while_loop(lambda s: jnp.any(s[1][:, kk] == 1),
                              lambda s: search_pass(s, batch, group), state)
     d2, rows, status = fs[:, :kk], is_[:, :kk], is_[:, kk]
@@ -752,7 +772,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
         gid = _all_gather(pencils, rq_id).reshape(-1)
         gb = _all_gather(pencils, rbound).reshape(-1)
         return _remote_search(pencils, frame, index, own_sel, own_count, gq, gid, gb, kk,
-                              config.chunk_size, min(64, D * F3))
+                              _chunk_for_backend(config.chunk_size, kk), min(64, D * F3))
 
     rd2, rrows = lax.cond(any_far, remote,
                           lambda _: (jnp.full((D * F3, kk), jnp.inf, dtype),
