@@ -130,6 +130,28 @@ def test_k(clustered, k):
     _check_exact(clustered, BOX, k, dist, idx)
 
 
+def test_gpu_settings_give_the_same_neighbours(clustered, unsharded, monkeypatch):
+    """The settings picked on a GPU (1024 batches per step, 4096 per planning step, merge
+    rows cut to a power of two) give the same neighbours; run here on the CPU."""
+    import jaxpm_halos._knn as knn_module
+
+    monkeypatch.setattr(knn_module, "_backend", lambda: "gpu")
+    chunks = []
+    chunk_for_backend = knn_module._chunk_for_backend
+    monkeypatch.setattr(knn_module, "_chunk_for_backend",
+                        lambda chunk, kk: chunks.append(chunk_for_backend(chunk, kk)) or chunks[-1])
+    jh.clear_caches()  # programs compiled with the CPU settings must not be reused
+    try:
+        one = jh.knn(clustered, BOX, 8)
+        mesh = jh.knn(_shard(make_mesh((2, 4)), clustered), BOX, 8)
+    finally:
+        jh.clear_caches()
+    assert 247 in chunks  # 9 + 247 = 256: traced with the GPU settings
+    for dist, idx in (one, mesh):
+        _check_exact(clustered, BOX, 8, dist, idx)
+        _assert_same((dist, idx), unsharded)
+
+
 def test_exact_ties_are_listed_in_id_order():
     """On a lattice every distance is an exact tie with 6, 12 or 8 others: each run of
     equal distances lists its ids in ascending order, on one device and on a mesh."""
