@@ -374,6 +374,18 @@ def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Quer
     return _Plan(start, count, f_lo, f_hi, coverage, rho)
 
 
+def _merge_nearest(run_d2, run_row, cand_d2, cand_row):
+    """The ``kk`` nearest of a running list ``(B, kk)`` (ascending squared distances and
+    their rows) and a chunk of candidates ``(B, C)`` (inf where absent) with rows ``(C,)``,
+    in ascending order. Equal distances keep the running list first, then candidate order.
+    """
+    kk = run_d2.shape[-1]
+    # The running list goes first: top_k then starts from a good heap and is cheap.
+    vals, pick = lax.top_k(jnp.concatenate([-run_d2, -cand_d2], axis=-1), kk)
+    prev = jnp.take_along_axis(run_row, jnp.minimum(pick, kk - 1), axis=-1)
+    return -vals, jnp.where(pick < kk, prev, cand_row[jnp.maximum(pick - kk, 0)])
+
+
 def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, chunk: int):
     """The ``kk`` nearest rows of one batch of B queries among its plan's rows, ``chunk``
     candidate rows at a time merged into the running list of every query (a query's own
@@ -404,13 +416,8 @@ def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, c
         # would be repeated for every query and the kernel would not vectorise.
         live, cx, cy, cz = lax.optimization_barrier((live, index.cx[row], index.cy[row],
                                                      index.cz[row]))
-        neg = -_distance2_cols(qx, qy, qz, cx[None, :], cy[None, :], cz[None, :], box)
-        neg = jnp.where(live[None, :], neg, -jnp.inf)
-        # The running list goes first: top_k then starts from a good heap and is cheap.
-        vals, pick = lax.top_k(jnp.concatenate([-run_d2, neg], axis=1), kk)
-        prev = jnp.take_along_axis(run_row, jnp.minimum(pick, kk - 1), axis=1)
-        new_row = jnp.where(pick < kk, prev, row[jnp.maximum(pick - kk, 0)])
-        return -vals, new_row
+        d2 = _distance2_cols(qx, qy, qz, cx[None, :], cy[None, :], cz[None, :], box)
+        return _merge_nearest(run_d2, run_row, jnp.where(live[None, :], d2, jnp.inf), row)
 
     def step(state):
         j, run_d2, run_row = state
@@ -607,13 +614,9 @@ def _remote_search(pencils: Pencils, frame: _Frame, index: Index, own_rows, own_
             c = todo[i]
             rows = rows_all[c]
             rc = jnp.clip(rows, 0, R - 1)
-            neg = -periodic_distance2(bq[:, None, :], index.canon[rc][None, :, :], box)
+            d2 = periodic_distance2(bq[:, None, :], index.canon[rc][None, :, :], box)
             ok = live_all[c][None, :] & near[:, c][:, None]
-            neg = jnp.where(ok, neg, -jnp.inf)
-            vals, pick = lax.top_k(jnp.concatenate([-run_d2, neg], axis=1), kk)
-            prev = jnp.take_along_axis(run_row, jnp.minimum(pick, kk - 1), axis=1)
-            new_row = jnp.where(pick < kk, prev, rows[jnp.maximum(pick - kk, 0)])
-            return i + 1, -vals, new_row
+            return (i + 1,) + _merge_nearest(run_d2, run_row, jnp.where(ok, d2, jnp.inf), rows)
 
         init = (jnp.int32(0), jnp.full((block, kk), jnp.inf, dtype),
                 jnp.full((block, kk), R, int32))
