@@ -263,15 +263,13 @@ def half_shell_windows(cols: Columns, reach):
 
     _, own_hi = column_range(0, 0)
     own_lo = jnp.minimum(jnp.arange(rows, dtype=int32) + 1, own_hi)
-    ranges = [column_range(dx, dy) for dx, dy in _FORWARD_COLUMNS]
-    # Queries: the own column's upper end, then lower and upper ends of each forward column.
-    lo = jnp.concatenate([own_lo] + [r[0] for r in ranges for _ in (0, 1)])
-    hi = jnp.concatenate([own_hi] + [r[1] for r in ranges for _ in (0, 1)])
-    target = jnp.concatenate([cols.z + reach] + [cols.z + sign * reach for _ in ranges
-                                                 for sign in (-1, 1)])
-    right = jnp.concatenate([jnp.ones(rows, bool)] + [jnp.full(rows, flag) for _ in ranges
-                                                       for flag in (False, True)])
-    found = search_columns(cols.z, lo, hi, target, right).reshape(-1, rows)
-    starts = jnp.stack([own_lo] + [found[1 + 2 * k] for k in range(4)], 1)
-    ends = jnp.stack([found[0]] + [found[2 + 2 * k] for k in range(4)], 1)
-    return starts, jnp.maximum(ends, starts)
+    starts = [own_lo]
+    ends = [search_columns(cols.z, own_lo, own_hi, cols.z + reach, True)]
+    # One search per bound rather than one over all nine: a search's working arrays are the
+    # largest temporaries of FoF, and this keeps one search's arrays alive at a time.
+    for dx, dy in _FORWARD_COLUMNS:
+        lo, hi = column_range(dx, dy)
+        starts.append(search_columns(cols.z, lo, hi, cols.z - reach, False))
+        ends.append(search_columns(cols.z, lo, hi, cols.z + reach, True))
+    starts = jnp.stack(starts, 1)
+    return starts, jnp.maximum(jnp.stack(ends, 1), starts)
