@@ -1,7 +1,7 @@
 """GPU benchmark: jaxpm_halos against jz-tree (the CUDA peer) on one GPU, in one process.
 
     python benchmarks/gpu.py                       # 64^3, 128^3, 256^3
-    python benchmarks/gpu.py --sizes 64 128 256 512 --out gpu_results.json
+    python benchmarks/gpu.py --sizes 512 --fof-only --scipy-up-to 256
 
 It needs a CUDA GPU, JaxPM, and jz-tree (``jztree`` and ``jztree-cu13``, which need
 jax >= 0.8). For each size it makes the data on the GPU: a JaxPM z = 0 snapshot (the
@@ -18,8 +18,10 @@ of several runs of:
 Correctness: jaxpm_halos' labels must equal scipy's (``cKDTree.query_pairs`` +
 ``connected_components``, run on the host) and its densities cKDTree's, or the benchmark
 stops. jz-tree's labels and radii are compared with the same references and any
-disagreement is reported. ``--profile`` records the largest size's warm FoF and kNN runs
-with ``jax.profiler`` and prints the GPU kernels that dominate them.
+disagreement is reported (beyond ``--scipy-up-to``, jz-tree's labels are compared with
+ours). jz-tree is rerun with twice its node buffer when it reports an overflow.
+``--profile DIR`` records the largest size's warm FoF and kNN runs with ``jax.profiler``
+and lists the GPU kernels that dominate them, with the XLA instruction each runs.
 """
 
 from __future__ import annotations
