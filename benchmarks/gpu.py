@@ -44,7 +44,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
 
-from run import B, MIN_MEMBERS, canonical, min_time, scipy_fof, timed  # noqa: E402
+from run import (B, MIN_MEMBERS, canonical, min_time, scipy_fof, timed,  # noqa: E402
+                 uniform_points)
 
 import jaxpm_halos as jh  # noqa: E402
 
@@ -60,12 +61,6 @@ def snapshot(nc):
     y = jax.block_until_ready(jnp.stack([result.state[0], result.state[1]]))
     print(f"snapshot {nc}^3: {time.perf_counter() - t:.1f} s", flush=True)
     return y
-
-
-def uniform(nc):
-    box = float(nc)
-    pos = np.random.default_rng(nc).uniform(0, box, (nc ** 3, 3)).astype(np.float32)
-    return np.where(pos >= box, np.float32(0), pos)
 
 
 def jztree_config(name, nodes):
@@ -131,7 +126,7 @@ def bench(nc, kind, y, rows, check_scipy, profile_dir, with_knn=True):
         x, fof_args, knn_args = parts, (), ()
         pos = np.asarray(parts.pos).reshape(-1, 3)
     else:
-        pos = uniform(nc)
+        pos = uniform_points(nc)
         x, fof_args, knn_args = jnp.asarray(pos), (box,), (box,)
     pos_gpu = jnp.asarray(pos)
     l = B * box / nc

@@ -84,11 +84,17 @@ def data(nc, kind, mesh):
         disp = snap.disp if mesh is None else jax.device_put(snap.disp, NamedSharding(mesh, P("x", "y")))
         parts = jh.from_jaxpm(disp, None, box)
         return parts, np.asarray(parts.pos).reshape(-1, 3), box
-    pos = np.random.default_rng(nc).uniform(0, box, (nc ** 3, 3)).astype(np.float32)
-    # float32 rounding can give exactly L, which cKDTree(boxsize=L) rejects.
-    pos = np.where(pos >= box, np.float32(0), pos)
+    pos = uniform_points(nc)
     x = pos if mesh is None else jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
     return x, pos, box
+
+
+def uniform_points(nc):
+    """nc^3 uniform float32 points in a box of side nc, the same for a given nc."""
+    box = float(nc)
+    pos = np.random.default_rng(nc).uniform(0, box, (nc ** 3, 3)).astype(np.float32)
+    # float32 rounding can give exactly L, which cKDTree(boxsize=L) rejects.
+    return np.where(pos >= box, np.float32(0), pos)
 
 
 def scipy_fof(pos, box, l):

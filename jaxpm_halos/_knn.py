@@ -68,23 +68,19 @@ _SENTINEL = np.iinfo(np.int32).max
 _NODES = 64  # most octree nodes enumerated by one batch
 _LEVELS = MORTON_BITS
 _PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning step,
-_PLAN_BATCHES = {"cpu": 64}  # but at most this many batches (accelerators: _ACCELERATOR)
+_PLAN_BATCHES = 64  # but at most this many batches (on accelerators: 4x _ACCELERATOR)
 _GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
 _TIE_BLOCK = 64  # rows whose equal distances are put in id order together
 _AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
 # A GPU pays a fixed cost per loop step (kernel launches and a device-to-host read of the
 # loop condition) that a CPU hardly does, so there many more batches go side by side. At
 # 128^3 on an H100 this takes kNN from 4.6 s (the CPU setting) to 0.23 s.
-_GROUP_SIZE = {"cpu": 8}
-_ACCELERATOR = 1024  # batches per step, and 4x that per planning step
+_GROUP_SIZE = 8  # batches per step on CPU
+_ACCELERATOR = 1024  # batches per step elsewhere, and 4x that per planning step
 
 
 def _backend() -> str:
     return jax.default_backend()
-
-
-def _for_backend(table: dict, accelerator: int) -> int:
-    return table.get(_backend(), accelerator)
 
 
 def _chunk_for_backend(chunk: int, kk: int) -> int:
@@ -467,7 +463,7 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
 
     # Plans are cheap: many batches per step (fewer loop iterations, less overhead), but
     # each batch's planning temporaries grow with _NODES**2.
-    pg = min(g * _PLAN_GROUPS, _for_backend(_PLAN_BATCHES, 4 * _ACCELERATOR))
+    pg = min(g * _PLAN_GROUPS, _PLAN_BATCHES if _backend() == "cpu" else 4 * _ACCELERATOR)
     while nb % pg:
         pg //= 2
 
@@ -750,7 +746,7 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     init = (jnp.concatenate([jnp.full((n_q, kk), jnp.inf, dtype),
                              jnp.full((n_q, 1), -1, dtype)], 1),
             jnp.concatenate([jnp.full((n_q, kk), R, int32), qvalid.astype(int32)[:, None]], 1))
-    group = config.group_size or _for_backend(_GROUP_SIZE, _ACCELERATOR)
+    group = config.group_size or (_GROUP_SIZE if _backend() == "cpu" else _ACCELERATOR)
     state = search_pass(init, config.batch_size, group)
     # The queries searched again are scattered: smaller batches, more of them side by side.
     batch = min(_AGAIN_BATCH, config.batch_size)

@@ -112,6 +112,8 @@ def simulate(insitu, mesh, nc, box, steps, ts, seed=0, amplitude=1.0, adjoint=No
     field = amplitude * linear_field(shape, [box] * 3,
                                      lambda x: interpolate_power_spectrum(x, k, pk, sharding),
                                      seed=jax.random.PRNGKey(seed), sharding=sharding)
+    # A fresh cosmology for JaxPM: the one used for pk holds jax_cosmo's cached background,
+    # which jaxpm's growth functions misread (KeyError 'h').
     cosmo = jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8)
     dx, p, _ = lpt(cosmo, field, a=0.1, order=2, halo_size=halo, sharding=sharding)
     ode = diffrax.ODETerm(make_diffrax_ode(shape, paint_absolute_pos=False, halo_size=halo,
