@@ -14,8 +14,9 @@ Per device (inside ``shard_map``):
    the box ``bbox(batch) + rho``, enumerated as at most 64 octree nodes of the finest level
    that covers it, nearest first: a batch's work follows its own density (fine nodes in
    clusters, coarse ones in voids). ``rho`` is estimated from the batch's own density.
-   Batches are ordered by work and stepped ``group_size`` at a time through ``chunk_size``
-   candidates per step, each step merging the candidates into the running k nearest
+   Batches are ordered by work and stepped ``group_size`` at a time through their
+   candidates; each step tests a window of candidates against every query's current k-th
+   distance and merges up to ``chunk_size`` of those that pass into the running k nearest
    (``lax.top_k`` with the running list first).
 4. A query is exact when its k-th distance is at most its distance to the boundary of the
    region known to be complete (the searched nodes, within the ghost layer and within half
@@ -382,10 +383,17 @@ def _merge_nearest(run_d2, run_row, cand_d2, cand_row):
     return -vals, jnp.where(pick < kk, prev, cand_row[jnp.maximum(pick - kk, 0)])
 
 
-def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, chunk: int):
-    """The ``kk`` nearest rows of one batch of B queries among its plan's rows, ``chunk``
-    candidate rows at a time merged into the running list of every query (a query's own
-    row is not excluded here: self mode keeps ``k + 1`` and drops it at the end).
+def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, chunk: int,
+                window: int):
+    """The ``kk`` nearest rows of one batch of B queries among its plan's rows (a query's
+    own row is not excluded here: self mode keeps ``k + 1`` and drops it at the end).
+
+    Each step computes the distances from every query to the next ``window`` candidate
+    rows, keeps the candidates nearer to some query than that query's current k-th
+    neighbour, and merges the first ``chunk`` of those into the running lists (the step
+    ends after them when more were kept). Nodes come nearest first, so after the first
+    steps few candidates are kept and a step covers a whole window: the merge, the
+    expensive part, then runs once per window rather than once per ``chunk`` candidates.
 
     Returns (B, kk) squared distances (ascending, inf where fewer were found) and sorted
     rows.
@@ -397,13 +405,17 @@ def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, c
     cum = jnp.cumsum(count)
     first = cum - count
     total = cum[-1]
+    slots = jnp.arange(window, dtype=int32)
 
     qx, qy, qz = (q.canon[:, d][:, None] for d in range(3))
 
-    def merge(offset, width, run_d2, run_row):
-        t = offset + jnp.arange(width, dtype=int32)
-        # Range of each slot by counting range ends (vectorises far better than a search).
-        seg = jnp.minimum(jnp.sum(cum[None, :] <= t[:, None], axis=1, dtype=int32),
+    def step(state):
+        t0, run_d2, run_row = state
+        t = t0 + slots
+        # Range of each slot: ranges ending at or before t0, plus the ends inside the window.
+        ends = jnp.zeros((window,), int32).at[jnp.where(cum > t0, cum - t0, window)].add(
+            1, mode="drop")
+        seg = jnp.minimum(jnp.sum(cum <= t0, dtype=int32) + jnp.cumsum(ends),
                           count.shape[0] - 1)
         row = jnp.where(t < total, plan.start[seg] + t - first[seg], 0)
         local = index.local[row]
@@ -413,15 +425,29 @@ def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, c
         live, cx, cy, cz = lax.optimization_barrier((live, index.cx[row], index.cy[row],
                                                      index.cz[row]))
         d2 = _distance2_cols(qx, qy, qz, cx[None, :], cy[None, :], cz[None, :], box)
-        return _merge_nearest(run_d2, run_row, jnp.where(live[None, :], d2, jnp.inf), row)
+        d2 = jnp.where(live[None, :], d2, jnp.inf)
+        # A candidate no nearer than a query's k-th cannot enter its list (ties keep the
+        # running list first); empty query slots want none.
+        kth = jnp.where(q.valid, run_d2[:, -1], -jnp.inf)
+        keep = jnp.any(d2 < kth[:, None], axis=0)
+        rank = jnp.cumsum(keep.astype(int32)) - 1
+        take = jnp.where(keep & (rank < chunk), rank, chunk)
+        pick = jnp.full((chunk,), window, int32).at[take].set(slots, mode="drop")
+        has = pick < window
+        pc = jnp.minimum(pick, window - 1)
+        # Recomputed (same values bitwise): a column gather from d2 costs a transpose.
+        crow = row[pc]
+        cand_d2 = _distance2_cols(qx, qy, qz, index.cx[crow][None, :], index.cy[crow][None, :],
+                                  index.cz[crow][None, :], box)
+        cand_d2 = jnp.where(has[None, :], cand_d2, jnp.inf)
+        run_d2, run_row = _merge_nearest(run_d2, run_row, cand_d2, jnp.where(has, crow, R))
+        # Resume after the last merged candidate when the window kept more than a chunk.
+        over = rank[-1] >= chunk
+        next_t0 = jnp.where(over, t0 + pick[chunk - 1] + 1, t0 + window)
+        return next_t0, run_d2, run_row
 
-    def step(state):
-        j, run_d2, run_row = state
-        return (j + 1,) + merge(j * chunk, chunk, run_d2, run_row)
-
-    n_chunks = (total + chunk - 1) // chunk
     init = (jnp.int32(0), jnp.full((B, kk), jnp.inf, q.canon.dtype), jnp.full((B, kk), R, int32))
-    _, run_d2, run_row = lax.while_loop(lambda s: s[0] < n_chunks, step, init)
+    _, run_d2, run_row = lax.while_loop(lambda s: s[0] < total, step, init)
     return run_d2, run_row
 
 
@@ -481,7 +507,11 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     _, order = sort_rows(-work)
     kk = k + 1 if self_mode else k
     chunk = _chunk_for_backend(cfg.chunk_size, kk)
-    scan_fn = jax.vmap(functools.partial(_scan_batch, index, frame, kk=kk, chunk=chunk))
+    # Testing candidates is cheap and merging them costs more as kk grows, so long lists
+    # test several chunks per merge (k = 32 at 128^3: 6% faster; k = 8: 5% slower).
+    window = chunk * max(1, kk // 16)
+    scan_fn = jax.vmap(functools.partial(_scan_batch, index, frame, kk=kk, chunk=chunk,
+                                         window=window))
 
     def scan_body(carry):
         gi, fs, is_ = carry
