@@ -394,6 +394,7 @@ def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, c
     ends after them when more were kept). Nodes come nearest first, so after the first
     steps few candidates are kept and a step covers a whole window: the merge, the
     expensive part, then runs once per window rather than once per ``chunk`` candidates.
+    With ``window == chunk`` there is nothing to select, and each window is merged whole.
 
     Returns (B, kk) squared distances (ascending, inf where fewer were found) and sorted
     rows.
@@ -426,6 +427,8 @@ def _scan_batch(index: Index, frame: _Frame, q: Queries, plan: _Plan, kk: int, c
                                                      index.cz[row]))
         d2 = _distance2_cols(qx, qy, qz, cx[None, :], cy[None, :], cz[None, :], box)
         d2 = jnp.where(live[None, :], d2, jnp.inf)
+        if window == chunk:  # nothing to select: the merge takes the whole window
+            return (t0 + window,) + _merge_nearest(run_d2, run_row, d2, row)
         # A candidate no nearer than a query's k-th cannot enter its list (ties keep the
         # running list first); empty query slots want none.
         kth = jnp.where(q.valid, run_d2[:, -1], -jnp.inf)
@@ -508,7 +511,8 @@ def _search(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Queries,
     kk = k + 1 if self_mode else k
     chunk = _chunk_for_backend(cfg.chunk_size, kk)
     # Testing candidates is cheap and merging them costs more as kk grows, so long lists
-    # test several chunks per merge (k = 32 at 128^3: 6% faster; k = 8: 5% slower).
+    # test several chunks per merge (k = 32 at 128^3: 6% faster; k = 8: 5% slower); short
+    # ones merge every chunk as it comes.
     window = chunk * max(1, kk // 16)
     scan_fn = jax.vmap(functools.partial(_scan_batch, index, frame, kk=kk, chunk=chunk,
                                          window=window))
