@@ -62,7 +62,7 @@ def z_images(ext: Extended, width: float, box_size: float, rows: int):
 
 
 def local_components(ext: Extended, pencils: Pencils, linking_length: float, width: float,
-                     image_rows: int, chunk: int):
+                     image_rows: int, chunk: int | None):
     """Connected components of the friends graph among one device's extended rows.
 
     Returns ``(component, segments, need_images, pairs)``: for each extended row a component
@@ -91,7 +91,7 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
     limit = jnp.asarray(l * l, ext.pos.dtype)
     # Links are appended to a buffer and merged into the forest only when the buffer is
     # full: each union pass costs O(rows), and there are about links / chunk of them.
-    chunk = max(chunk, rows // 2)
+    chunk = max(chunk or 0, rows // 2)
     buffer = 2 * chunk
 
     def flush(state):
