@@ -353,7 +353,8 @@ def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Quer
     # Ranks from all pairwise comparisons: far cheaper than XLA:CPU's comparison sort.
     before = (dist[None, :] < dist[:, None]) | ((dist[None, :] == dist[:, None])
                                                 & (i[None, :] < i[:, None]))
-    rank = jnp.sum(before, axis=1, dtype=int32)
+    # Counted in int8 (a rank is below _NODES = 64): XLA materialises the comparisons.
+    rank = jnp.sum(before, axis=1, dtype=jnp.int8).astype(int32)
     start = jnp.zeros_like(start).at[rank].set(start, unique_indices=True)
     count = jnp.zeros_like(count).at[rank].set(count, unique_indices=True)
 
