@@ -89,10 +89,10 @@ class FoFConfig:
       max_halos: catalogue rows per device, also the rows used to combine groups split
         across devices. ``None`` picks ``max(1024, n0 // 16)``.
       chunk_size: candidate pairs tested per pass. Memory is O(chunk_size), and the number
-        of passes is (candidate pairs) / chunk_size. ``None`` (and any smaller value) picks
-        half a device's rows (owned, ghosts and z images): links are merged into the
-        union-find forest, at O(rows) per merge, once per ``chunk_size`` links. On GPUs,
-        where every pass has a fixed cost, a larger value can pay.
+        of passes is (candidate pairs) / chunk_size. ``None`` picks half a device's rows
+        (owned, ghosts and z images), which is also the least used: links are merged into
+        the union-find forest, at O(rows) per merge, once per ``chunk_size`` links. On
+        GPUs, where every pass has a fixed cost, a larger value can pay.
       domain: the domain exchange buffers.
     """
 
