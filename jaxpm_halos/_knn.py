@@ -353,8 +353,8 @@ def _plan_batch(index: Index, frame: _Frame, origin, cover_lo, cover_hi, q: Quer
     # Ranks from all pairwise comparisons: far cheaper than XLA:CPU's comparison sort.
     before = (dist[None, :] < dist[:, None]) | ((dist[None, :] == dist[:, None])
                                                 & (i[None, :] < i[:, None]))
-    # Counted in int8 (a rank is below _NODES = 64): XLA materialises the comparisons.
-    rank = jnp.sum(before, axis=1, dtype=jnp.int8).astype(int32)
+    # XLA materialises the comparisons: count them in the narrowest type a rank fits.
+    rank = jnp.sum(before, axis=1, dtype=jnp.int8 if _NODES <= 128 else int32).astype(int32)
     start = jnp.zeros_like(start).at[rank].set(start, unique_indices=True)
     count = jnp.zeros_like(count).at[rank].set(count, unique_indices=True)
 
