@@ -232,6 +232,14 @@ print('RSS', first, warm, temp)
     return tuple(map(int, line[0].split()[1:]))
 
 
+def commit():
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        return ""
+
+
 def machine():
     cpu = platform.processor() or platform.machine()
     try:
@@ -324,7 +332,8 @@ def target_rows(rows, memory):
 
 def report(rows, memory, path):
     lines = ["# jaxpm_halos benchmark results", "",
-             f"Measured {datetime.date.today()} on {machine()} by `python benchmarks/run.py`.",
+             f"Measured {datetime.date.today()} on {machine()} by `python benchmarks/run.py`"
+             + (f" at {commit()}." if commit() else "."),
              "Times are the minimum of several warm runs; ratios compare figures measured in "
              "the same process. Every jaxpm_halos result was checked against its reference.", "",
              "First call: compilation plus one run; compile: first call minus the warm time.", "",
