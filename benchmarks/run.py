@@ -331,9 +331,10 @@ def target_rows(rows, memory):
 
 
 def report(rows, memory, path):
+    at = commit()
     lines = ["# jaxpm_halos benchmark results", "",
              f"Measured {datetime.date.today()} on {machine()} by `python benchmarks/run.py`"
-             + (f" at {commit()}." if commit() else "."),
+             + (f" at {at}." if at else "."),
              "Times are the minimum of several warm runs; ratios compare figures measured in "
              "the same process. Every jaxpm_halos result was checked against its reference.", "",
              "First call: compilation plus one run; compile: first call minus the warm time.", "",
