@@ -344,10 +344,11 @@ def report(rows, memory, path):
              "",
              "| target | measured | status |", "|---|---|---|"]
     lines += [f"| {t} | {m} | {v} |" for t, m, v in target_rows(rows, memory)]
-    lines += ["", "## All timings", "",
-              "| N | data | analysis | devices | jaxpm_halos (s) | reference | ref (s) | ratio | "
-              "kdcount (s) | first call (s) | compile (s) | halos |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if rows:
+        lines += ["", "## All timings", "",
+                  "| N | data | analysis | devices | jaxpm_halos (s) | reference | ref (s) | "
+                  "ratio | kdcount (s) | first call (s) | compile (s) | halos |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['size']}^3 | {r['kind']} | {r['what']} | {r['where']} | "
                      f"{r['warm']:.3f} | {r['ref']} | {r['ref_time']:.3f} | "
