@@ -106,7 +106,7 @@ def main():
                              sharding=sharding, halo=halo)
     value, tangent, out = jax.jit(lambda a: jax.jvp(fn, (a,), (jnp.ones_like(a),),
                                                     has_aux=True))(jnp.float32(1))
-    jaxpm_halos.check_insitu(out)  # raises, naming the InSitu setting, if a buffer overflowed
+    jaxpm_halos.check_insitu(out, insitu)  # raises, naming an InSitu setting that fits
     forward = jax.jit(lambda a: fn(a)[0])
     fd = (forward(jnp.float32(1 + args.eps)) - forward(jnp.float32(1 - args.eps))) / (2 * args.eps)
     print(f"mean log density: {float(value[0]):8.4f}   d/dA {float(tangent[0]):8.4f}   "

@@ -43,6 +43,35 @@ class Limit:
         return value
 
 
+def with_setting(config, knob: str, value):
+    """``config`` (a frozen config dataclass) with ``knob`` (``"Class.field"``) set to
+    ``value``, where ``Class`` is ``config``'s own class or that of one of its fields."""
+    owner, field = knob.split(".")
+    if type(config).__name__ == owner:
+        return dataclasses.replace(config, **{field: value})
+    for f in dataclasses.fields(config):
+        inner = getattr(config, f.name)
+        if type(inner).__name__ == owner:
+            return dataclasses.replace(config, **{f.name: dataclasses.replace(inner, **{field: value})})
+    raise ValueError(f"{type(config).__name__} holds no {owner}")
+
+
+def spell_config(config, keep: str = "") -> str:
+    """``Class(field=value, ...)`` with the fields that differ from the defaults (and the
+    knob ``keep``, ``"Class.field"``, in any case), nested configs spelled alike: an
+    expression that rebuilds ``config``."""
+    default = type(config)()
+    parts = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kept = f"{type(config).__name__}.{f.name}" == keep
+        if value == getattr(default, f.name) and not kept:
+            continue
+        nested = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        parts.append(f"{f.name}={spell_config(value, keep) if nested else repr(value)}")
+    return f"{type(config).__name__}({', '.join(parts)})"
+
+
 class CapacityError(RuntimeError):
     """A fixed-size buffer was too small. The message names the knob and a value that fits."""
 
@@ -79,11 +108,16 @@ class Status:
         return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite),
                       self.limits + other.limits)
 
-    def message(self, spell: Callable[[str, str], str] | None = None) -> str | None:
+    def message(self, spell: Callable[[str, str], str] | None = None,
+                config=None) -> str | None:
         """Host-side: the error message for the first failure, or None when all is well.
 
-        ``spell(config, setting)`` writes where the setting (e.g.
-        ``"DomainConfig(ghost_factor=1.5)"``) goes, for callers holding nested configs.
+        With the caller's ``config`` (e.g. the ``FoFConfig`` it ran with), the suggested
+        setting is that whole config with the one knob changed, so it keeps every earlier
+        fix: ``config=FoFConfig(domain=DomainConfig(ghost_factor=0.5, image_factor=0.6))``.
+        Without it, the knob alone: ``DomainConfig(image_factor=0.6)``.
+        ``spell(config_class, setting)`` then writes where the setting goes, for callers
+        holding nested configs.
         """
         nonfinite = int(np.max(np.asarray(self.nonfinite)))
         if nonfinite:
@@ -95,21 +129,29 @@ class Status:
                 continue
             # Buffers sharing a knob are resized together.
             needed = max(needs[n] for n, other in self.limits if other.knob == limit.knob)
-            config, field = limit.knob.split(".")
-            setting = f"{config}({field}={limit.suggest(needed)})"
+            owner, field = limit.knob.split(".")
+            value = limit.suggest(needed)
+            if config is None:
+                setting = f"{owner}({field}={value})"
+            else:
+                owner = type(config).__name__
+                setting = spell_config(with_setting(config, limit.knob, value), keep=limit.knob)
+            if spell is not None:
+                setting = spell(owner, setting)
+            elif config is not None:
+                setting = f"config={setting}"
             text = (f"jaxpm_halos: buffer '{name}' overflowed: {needs[name]} rows were needed per "
-                    f"device but {limit.knob} gives {limit.rows}. Rerun with "
-                    f"{setting if spell is None else spell(config, setting)}.")
+                    f"device but {limit.knob} gives {limit.rows}. Rerun with {setting}.")
             if position + 1 < len(self.limits):
                 text += (" Buffers after this one saw truncated data; if one of them overflows "
                          "next, its error will say so.")
             return text
         return None
 
-    def check(self, spell: Callable[[str, str], str] | None = None) -> None:
+    def check(self, spell: Callable[[str, str], str] | None = None, config=None) -> None:
         """Host-side: raise :class:`CapacityError` / :class:`InvalidInputError` on failure
-        (``spell`` as in :meth:`message`)."""
-        text = self.message(spell)
+        (``spell`` and ``config`` as in :meth:`message`)."""
+        text = self.message(spell, config)
         if text is None:
             return
         if "NaN or inf" in text:

@@ -254,7 +254,7 @@ class InSitu:
         if bound.save_state:
             out["state"] = y
         if not is_traced(y, a):
-            check(out)
+            check(out, bound)
         return out
 
     def saveat(self, ts, *, t0: float | None = None, t1: float | None = None):
@@ -274,19 +274,22 @@ class InSitu:
         return diffrax.SaveAt(ts=jnp.asarray(ts), fn=lambda t, y, args: self(y, t))
 
 
-def check(outputs) -> None:
+def check(outputs, insitu: "InSitu | None" = None) -> None:
     """Host-side: raise if any buffer of an in-situ run overflowed, at any snapshot.
 
     Given the whole output of an :class:`InSitu` call, the error spells the setting as an
     ``InSitu`` argument: the shared decomposition and FoF are sized by ``InSitu.fof``,
-    kNN by ``InSitu.knn``.
+    kNN by ``InSitu.knn``. Given the ``insitu`` that ran, the setting is its whole config
+    with the one knob changed (earlier fixes kept); without it, the knob alone.
     """
     parts = outputs.items() if isinstance(outputs, Mapping) else [(None, outputs)]
     for name, part in parts:
-        spell = _spell_in_situ(_CONFIG_OF.get(name))
+        attr = _CONFIG_OF.get(name)
+        spell = _spell_in_situ(attr)
+        config = getattr(insitu, attr) if insitu is not None and attr is not None else None
         for status in jax.tree.leaves(part, is_leaf=lambda x: isinstance(x, Status)):
             if isinstance(status, Status):
-                status.check(spell)
+                status.check(spell, config)
 
 
 _CONFIG_OF = {"domain": "fof", "fof": "fof", "knn_density": "knn"}

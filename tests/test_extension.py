@@ -352,3 +352,20 @@ def test_overflow_of_fofs_own_ghost_layer_names_a_setting_that_fits():
                                 config=fitted.fof)
     np.testing.assert_array_equal(np.asarray(out["fof"]["labels"]), np.asarray(labels))
     assert np.bincount(np.asarray(labels).ravel()).max() >= 300
+
+
+def test_check_with_the_insitu_spells_its_whole_config():
+    from jaxpm_halos._status import Limit, Status
+
+    status = Status({"ghosts": jnp.int32(300)}, jnp.int32(0),
+                    (("ghosts", Limit("DomainConfig.ghost_factor", 100, 1000.0)),))
+    insitu = InSitu(box_size=64.0, fof=jaxpm_halos.FoFConfig(
+        max_halos=50, domain=jaxpm_halos.DomainConfig(image_factor=0.7)))
+    with pytest.raises(jaxpm_halos.CapacityError) as error:
+        check({"domain": status}, insitu)
+    assert ("Rerun with InSitu(fof=FoFConfig(max_halos=50, domain=DomainConfig("
+            "ghost_factor=0.3, image_factor=0.7)))." in str(error.value))
+    with pytest.raises(jaxpm_halos.CapacityError) as error:  # without it: the knob alone
+        check({"domain": status})
+    assert ("Rerun with InSitu(fof=FoFConfig(domain=DomainConfig(ghost_factor=0.3)))."
+            in str(error.value))

@@ -209,6 +209,32 @@ def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
 
 
+def test_suggestions_applied_as_written_keep_earlier_fixes(adversarial):
+    """Several knobs too small at once: each error's suggestion is the whole config with one
+    knob fixed, so pasting it as written converges (it used to name the knob alone, and a
+    config rebuilt from that lost the previous fix)."""
+    pos, _, _, want_labels, _ = adversarial
+    (p,) = _shard(make_mesh((2, 4)), pos)
+    config = jh.FoFConfig(max_halos=2, domain=jh.DomainConfig(ghost_factor=0.001,
+                                                             image_factor=0.001))
+    fixed = []
+    for _ in range(4):
+        try:
+            labels, _ = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config)
+            break
+        except jh.CapacityError as error:
+            setting = re.search(r"Rerun with config=(FoFConfig\(.*?\))\.(?: |$)", str(error))
+            assert setting, str(error)
+            fixed.append(re.search(r"but (\w+\.\w+) gives", str(error)).group(1))
+            config = eval(setting.group(1), {"FoFConfig": jh.FoFConfig,
+                                             "DomainConfig": jh.DomainConfig})
+    else:
+        pytest.fail(f"still overflowing after fixing {fixed}")
+    assert fixed == ["DomainConfig.ghost_factor", "DomainConfig.image_factor",
+                     "FoFConfig.max_halos"]
+    np.testing.assert_array_equal(np.asarray(labels), want_labels)
+
+
 def test_inside_jit_the_overflow_is_a_flag(adversarial):
     pos, _, _, _, _ = adversarial
     mesh = make_mesh((2, 4))
