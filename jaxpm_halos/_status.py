@@ -52,7 +52,8 @@ def with_setting(config, knob: str, value):
     for f in dataclasses.fields(config):
         inner = getattr(config, f.name)
         if type(inner).__name__ == owner:
-            return dataclasses.replace(config, **{f.name: dataclasses.replace(inner, **{field: value})})
+            inner = dataclasses.replace(inner, **{field: value})
+            return dataclasses.replace(config, **{f.name: inner})
     raise ValueError(f"{type(config).__name__} holds no {owner}")
 
 
