@@ -1,0 +1,126 @@
+"""A longer exactness campaign than the suite: random adversarial layouts, every test mesh.
+
+    python tests/fuzz_exactness.py --seeds 40          # about 30 min on 2 cores
+
+Each seed draws clumps on pencil faces, edges and box corners (widths from 0.01 to 2.5
+linking lengths), chains spaced 0.9 l that may cross the whole box, runs of exact
+duplicates, and coordinates at 0, L, just below L and just outside the box, over a uniform
+background. Positions sit on a grid whose step is a power of two near L / 4096, so squared
+distances near the linking length are exact in float32, and the linking length is chosen
+so that no pair lies at exactly l: float32 and float64 FoF must then agree.
+
+On meshes (1, 8), (8, 1), (2, 4), (4, 2) and on one device it checks FoF labels against
+scipy (``cKDTree.query_pairs`` + ``connected_components``) and kNN against ``cKDTree.query``.
+Every ``CapacityError`` is answered by pasting its suggestion as written, which checks that
+the suggested value then works. Not collected by pytest.
+"""
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxpm_halos as jh  # noqa: E402
+import reference as ref  # noqa: E402
+from conftest import MESH_SHAPES, make_mesh  # noqa: E402
+from test_knn import _check_exact  # noqa: E402
+
+CONFIGS = {"DomainConfig": jh.DomainConfig, "FoFConfig": jh.FoFConfig, "KNNConfig": jh.KNNConfig}
+
+
+def layout(seed, n, box, link):
+    rng = np.random.default_rng(seed)
+    parts = []
+    planes = np.arange(9) * box / 8
+    for _ in range(rng.integers(1, 25)):
+        centre = rng.choice(planes, 3) if rng.random() < 0.7 else rng.uniform(0, box, 3)
+        width = rng.choice([0.01, 0.05, 0.2, 0.5]) * link * rng.uniform(1, 5)
+        parts.append(centre + rng.normal(0, width, (rng.integers(3, 200), 3)))
+    for _ in range(rng.integers(0, 3)):
+        start, direction = rng.uniform(0, box, 3), rng.normal(size=3)
+        steps = int(rng.uniform(0.2, 1.5) * box / (0.9 * link))
+        parts.append(start + np.outer(np.arange(steps) * 0.9 * link,
+                                      direction / np.linalg.norm(direction)))
+    for _ in range(rng.integers(0, 4)):
+        source = np.concatenate(parts)
+        parts.append(np.repeat(source[rng.integers(len(source))][None], rng.integers(2, 30), 0))
+    below = float(np.nextafter(np.float32(box), np.float32(0)))
+    parts.append(np.array([[0, 0, 0], [box, box, box], [box, 0, box / 2], [0, box / 2, box],
+                           [-1e-6, box / 3, box + 1e-6], [below] * 3]))
+    pos = np.concatenate(parts)[: n - 100]
+    pos = np.concatenate([pos, rng.uniform(0, box, (n - len(pos), 3))])
+    rng.shuffle(pos)
+    step = grid_step(box)
+    pos = np.round(pos / step) * step
+    pos = np.where((pos >= 0) & (pos <= box), pos, np.mod(pos, box))  # keep 0 and L
+    return pos.astype(np.float32)
+
+
+def grid_step(box):
+    return 2.0 ** np.floor(np.log2(box / 4096))
+
+
+def with_suggestions(run, config, tries=6):
+    """``run(config)``, pasting each CapacityError's suggestion as written."""
+    for _ in range(tries):
+        try:
+            return run(config)
+        except jh.CapacityError as error:
+            setting = re.search(r"Rerun with config=(.*?\))\.(?: |$)", str(error))
+            assert setting, f"no pasteable suggestion in: {error}"
+            config = eval(setting.group(1), dict(CONFIGS))
+    raise AssertionError(f"still overflowing after {tries} suggestions")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--box", type=float, default=16.0)
+    parser.add_argument("--k", type=int, default=8)
+    args = parser.parse_args(argv)
+    box, k = args.box, args.k
+    step = grid_step(box)
+    link = float(np.sqrt(round((0.2 * box / args.n ** (1 / 3) / step) ** 2) + 0.5) * step)
+    meshes = [make_mesh(shape) for shape in MESH_SHAPES] + [None]
+    failures = 0
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        start = time.time()
+        pos = layout(seed, args.n, box, link)
+        want = ref.fof_labels(pos, box, link)
+        for mesh in meshes:
+            x = pos if mesh is None else jax.device_put(
+                pos, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+            where = "one device" if mesh is None else f"mesh {tuple(mesh.shape.values())}"
+            try:
+                labels, _ = with_suggestions(
+                    lambda c: jh.fof(x, box, link, min_members=5, config=c), jh.FoFConfig())
+                wrong = int(np.sum(np.asarray(labels) != want))
+                assert wrong == 0, f"FoF: {wrong} labels differ from scipy's"
+                dist, idx = with_suggestions(lambda c: jh.knn(x, box, k, config=c),
+                                             jh.KNNConfig())
+                _check_exact(pos, box, k, dist, idx)
+            except AssertionError as error:
+                failures += 1
+                print(f"seed {seed}, {where}: {error}", flush=True)
+        if seed % 4 == 3:
+            jh.clear_caches()  # see README: compiled programs hold memory maps
+        print(f"seed {seed}: {len(np.unique(want))} groups, {time.time() - start:.0f} s",
+              flush=True)
+    print(f"{failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
