@@ -299,7 +299,7 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
         raise ValueError(f"min_members must be at least 1, got {min_members}")
     labels, catalogue = _fof_program(problem, in_specs, l, int(min_members), config)(*args)
     if not is_traced(labels):
-        catalogue.status.check(config=config)
+        catalogue.status.check(config, "config={}")
     return labels, catalogue
 
 

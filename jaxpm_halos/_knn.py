@@ -1134,7 +1134,7 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
         factor = math.ceil(needed * 1.25 / limit.scale * 1000) / 1000
         config = dataclasses.replace(config, remote_factor=factor)
     if not traced:
-        status.check(config=config)
+        status.check(config, "config={}")
     key = {"neighbours": None, "density": "rho", "reduce": "value"}[output]
     if key is None:
         result = (values["dist"], values["idx"])

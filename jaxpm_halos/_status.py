@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -109,16 +109,14 @@ class Status:
         return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite),
                       self.limits + other.limits)
 
-    def message(self, spell: Callable[[str, str], str] | None = None,
-                config=None) -> str | None:
+    def message(self, config=None, argument: str = "{}") -> str | None:
         """Host-side: the error message for the first failure, or None when all is well.
 
         With the caller's ``config`` (e.g. the ``FoFConfig`` it ran with), the suggested
         setting is that whole config with the one knob changed, so it keeps every earlier
-        fix: ``config=FoFConfig(domain=DomainConfig(ghost_factor=0.5, image_factor=0.6))``.
-        Without it, the knob alone: ``DomainConfig(image_factor=0.6)``.
-        ``spell(config_class, setting)`` then writes where the setting goes, for callers
-        holding nested configs.
+        fix: ``FoFConfig(domain=DomainConfig(ghost_factor=0.5, image_factor=0.6))``.
+        Without it, the knob alone: ``DomainConfig(image_factor=0.6)``. ``argument``
+        formats the setting as the caller's argument, e.g. ``"config={}"``.
         """
         nonfinite = int(np.max(np.asarray(self.nonfinite)))
         if nonfinite:
@@ -130,29 +128,25 @@ class Status:
                 continue
             # Buffers sharing a knob are resized together.
             needed = max(needs[n] for n, other in self.limits if other.knob == limit.knob)
-            owner, field = limit.knob.split(".")
             value = limit.suggest(needed)
             if config is None:
+                owner, field = limit.knob.split(".")
                 setting = f"{owner}({field}={value})"
             else:
-                owner = type(config).__name__
                 setting = spell_config(with_setting(config, limit.knob, value), keep=limit.knob)
-            if spell is not None:
-                setting = spell(owner, setting)
-            elif config is not None:
-                setting = f"config={setting}"
             text = (f"jaxpm_halos: buffer '{name}' overflowed: {needs[name]} rows were needed per "
-                    f"device but {limit.knob} gives {limit.rows}. Rerun with {setting}.")
+                    f"device but {limit.knob} gives {limit.rows}. Rerun with "
+                    f"{argument.format(setting)}.")
             if position + 1 < len(self.limits):
                 text += (" Buffers after this one saw truncated data; if one of them overflows "
                          "next, its error will say so.")
             return text
         return None
 
-    def check(self, spell: Callable[[str, str], str] | None = None, config=None) -> None:
+    def check(self, config=None, argument: str = "{}") -> None:
         """Host-side: raise :class:`CapacityError` / :class:`InvalidInputError` on failure
-        (``spell`` and ``config`` as in :meth:`message`)."""
-        text = self.message(spell, config)
+        (``config`` and ``argument`` as in :meth:`message`)."""
+        text = self.message(config, argument)
         if text is None:
             return
         if "NaN or inf" in text:

@@ -280,32 +280,24 @@ def check(outputs, insitu: "InSitu | None" = None) -> None:
     Given the whole output of an :class:`InSitu` call, the error spells the setting as an
     ``InSitu`` argument: the shared decomposition and FoF are sized by ``InSitu.fof``,
     kNN by ``InSitu.knn``. Given the ``insitu`` that ran, the setting is its whole config
-    with the one knob changed (earlier fixes kept); without it, the knob alone.
+    with the one knob changed (earlier fixes kept); without it, the default config with
+    that knob.
     """
     parts = outputs.items() if isinstance(outputs, Mapping) else [(None, outputs)]
     for name, part in parts:
         attr = _CONFIG_OF.get(name)
-        spell = _spell_in_situ(attr)
-        config = getattr(insitu, attr) if insitu is not None and attr is not None else None
+        if attr is None:
+            config, argument = None, "{}"
+        else:
+            config = getattr(insitu, attr) if insitu is not None else _DEFAULT_CONFIG[attr]()
+            argument = f"InSitu({attr}={{}})"
         for status in jax.tree.leaves(part, is_leaf=lambda x: isinstance(x, Status)):
             if isinstance(status, Status):
-                status.check(spell, config)
+                status.check(config, argument)
 
 
 _CONFIG_OF = {"domain": "fof", "fof": "fof", "knn_density": "knn"}
-
-
-def _spell_in_situ(attr: str | None):
-    if attr is None:
-        return None
-    owner = {"fof": "FoFConfig", "knn": "KNNConfig"}[attr]
-
-    def spell(config: str, setting: str) -> str:
-        if config == "DomainConfig":
-            setting = f"{owner}(domain={setting})"
-        return f"InSitu({attr}={setting})"
-
-    return spell
+_DEFAULT_CONFIG = {"fof": FoFConfig, "knn": KNNConfig}
 
 
 def _state_layout(insitu: InSitu, y):
