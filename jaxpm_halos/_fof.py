@@ -33,7 +33,8 @@ from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_
 from ._config import FoFConfig
 from ._domain import (Decomposition, Extended, Ghosts, decompose, domain_status, pmax_all, psum_all,
                       return_trip, selection)
-from ._frontend import Problem, local_fields, prepare, program_cache, row_masses
+from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache,
+                        row_masses, trim_padding)
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils, width_fraction
 from ._particles import Particles
@@ -253,7 +254,7 @@ def _fof_program(problem: Problem, in_specs, linking_length: float, min_members:
         fields, shape = local_fields(problem, *blocks)
         n = fields["pos"].shape[0]
         fields["mass"] = row_masses(problem, fields)
-        migrated, labels, cat = _device_fof(pencils, fields, jnp.ones(n, bool), linking_length,
+        migrated, labels, cat = _device_fof(pencils, fields, local_valid(problem, n), linking_length,
                                             min_members, config, n0, layout.grid)
         labels = return_trip(pencils, labels, migrated.payload["origin"], migrated.count, n,
                              dom.transfer_rows(n0, layout.grid), dom.capacity_rows(n0))
@@ -271,8 +272,9 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     """Friends-of-friends groups and their catalogue, distributed over the input's mesh.
 
     Args:
-      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded),
-        a JaxPM-layout grid ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
+      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
+        then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
+        ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
         :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
       box_size: periodic box side, in the unit of ``pos`` (taken from Particles).
       linking_length: two particles are friends when their minimum-image distance is at
@@ -298,6 +300,7 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     if int(min_members) < 1:
         raise ValueError(f"min_members must be at least 1, got {min_members}")
     labels, catalogue = _fof_program(problem, in_specs, l, int(min_members), config)(*args)
+    labels = trim_padding(problem, labels)
     if not is_traced(labels):
         catalogue.status.check(config, "config={}")
     return labels, catalogue

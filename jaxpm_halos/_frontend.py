@@ -66,6 +66,9 @@ class Problem:
 
     @property
     def total(self) -> int:
+        """Particles in the input (padding appended by :func:`prepare` excluded)."""
+        if self.layout.num_particles is not None:
+            return self.layout.num_particles
         return int(np.prod(self.layout.shape))
 
     @property
@@ -117,6 +120,12 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
             mass_kind = "rows"
             args.append(mass)
             specs.append(spec)
+    if layout.num_particles is not None:
+        # Rows of zeros, masked out on the devices (:func:`local_valid`); a scalar mass
+        # (spec P()) has no rows.
+        rows = layout.shape[0] - layout.num_particles
+        args = [a if s == P() else jnp.concatenate([a, jnp.zeros((rows,) + a.shape[1:], a.dtype)])
+                for a, s in zip(args, specs)]
     problem = Problem(layout, box_size, vel is not None, ids is not None, mass_kind, static_mass)
     return problem, tuple(args), tuple(specs)
 
@@ -141,6 +150,21 @@ def local_fields(problem: Problem, *blocks):
     elif problem.mass_kind == "scalar":
         fields["mass"] = jnp.broadcast_to(blocks.pop(0), (n,))
     return fields, block_shape
+
+
+def local_valid(problem: Problem, rows: int):
+    """(rows,) bool: this device's input rows that hold particles (not :func:`prepare`'s
+    padding)."""
+    num = problem.layout.num_particles
+    if num is None:
+        return jnp.ones(rows, bool)
+    return problem.pencils.device_index() * rows + jnp.arange(rows, dtype=int32) < num
+
+
+def trim_padding(problem: Problem, tree):
+    """Per-particle outputs without the rows :func:`prepare` appended."""
+    num = problem.layout.num_particles
+    return tree if num is None else jax.tree.map(lambda a: a[:num], tree)
 
 
 def _default_ids(problem: Problem, block_shape):

@@ -58,7 +58,8 @@ from ._config import KNNConfig
 from ._domain import (Decomposition, decompose, domain_status, migrate, pmax_all, psum_all,
                       return_trip, selection)
 from ._fof import z_images
-from ._frontend import Problem, local_fields, prepare, program_cache, row_masses
+from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache,
+                        row_masses, trim_padding)
 from ._geometry import periodic_delta, periodic_distance2, wrap
 from ._layout import Pencils, width_fraction
 from ._particles import Particles
@@ -1086,7 +1087,7 @@ def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
         fields, shape = local_fields(problem, *blocks)
         n = fields["pos"].shape[0]
         fields["mass"] = row_masses(problem, fields)
-        values, status, _ = _device_knn(pencils, spec, fields, jnp.ones(n, bool), n0,
+        values, status, _ = _device_knn(pencils, spec, fields, local_valid(problem, n), n0,
                                         layout.grid, queries, query_rows // D)
         if not query_rows:
             values = jax.tree.map(lambda a: a.reshape(shape + a.shape[1:]), values)
@@ -1140,7 +1141,9 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
         result = (values["dist"], values["idx"])
     else:
         result = values[key]
-    if not self_mode:
+    if self_mode:
+        result = trim_padding(problem, result)
+    else:
         result = jax.tree.map(lambda a: a[:m].reshape(lead + a.shape[1:]), result)
     return (result, status) if with_status else result
 
@@ -1150,8 +1153,9 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
     """Exact k nearest neighbours in a periodic box, distributed over the input's mesh.
 
     Args:
-      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded), a
-        JaxPM-layout grid ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
+      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
+        then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
+        ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
         :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
       box_size: periodic box side (taken from Particles).
       k: number of neighbours, ``1 <= k < N`` (``k <= N`` with ``query``).

@@ -77,14 +77,19 @@ class Layout:
     Attributes:
       mesh: the device mesh (concrete or abstract), or None for a single device.
       pencils: the spatial decomposition that follows the mesh.
-      shape: the leading shape of the particle arrays, ``(N,)`` or ``(nc, nc, nc)``.
+      shape: the leading shape of the particle arrays, ``(N,)`` or ``(nc, nc, nc)``; for
+        flat input that the devices cannot split evenly, N rounded up to a multiple of the
+        device count.
       spec: the PartitionSpec of the leading axes.
+      num_particles: the input's particle count N when ``shape`` was rounded up: rows from
+        N on are padding, appended by :func:`~._frontend.prepare`. None otherwise.
     """
 
     mesh: object
     pencils: Pencils
     shape: tuple[int, ...]
     spec: P
+    num_particles: int | None = None
 
     @property
     def grid(self) -> bool:
@@ -146,18 +151,17 @@ def layout_of(pos, box_size: float, mesh=None) -> Layout:
     if px * py != mesh.size:
         raise ValueError(f"the particles must be sharded over every mesh axis; spec {spec} "
                          f"leaves part of mesh {sizes} replicated")
+    pencils = Pencils(x_axis if px > 1 else None, y_axis if py > 1 else None, px, py, box_size)
     if grid:
         nc = leading[0]
         if nc % px or nc % py:
             raise ValueError(f"grid side {nc} is not divisible by the mesh shape ({px}, {py})")
-        spec = P(x_axis, y_axis)
-    else:
-        if leading[0] % (px * py):
-            raise ValueError(f"N = {leading[0]} particles cannot be split evenly over "
-                             f"{px * py} devices")
-        spec = P(tuple(a for a in (x_axis, y_axis) if a))
-    pencils = Pencils(x_axis if px > 1 else None, y_axis if py > 1 else None, px, py, box_size)
-    return Layout(mesh, pencils, leading, spec)
+        return Layout(mesh, pencils, leading, P(x_axis, y_axis))
+    spec = P(tuple(a for a in (x_axis, y_axis) if a))
+    n = leading[0]
+    # A sharded array always splits evenly; unsharded input is padded to fit the devices.
+    padded = -(-n // mesh.size) * mesh.size
+    return Layout(mesh, pencils, (padded,), spec, None if padded == n else n)
 
 
 def _axes_from_spec(spec, names, grid):

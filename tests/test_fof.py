@@ -277,15 +277,28 @@ def test_bad_arguments_raise(adversarial, kwargs, message):
         jh.fof(pos, BOX, mesh=mesh, **kwargs)
 
 
-@pytest.mark.parametrize("pos, message", [
-    (np.zeros((10, 2), np.float32), "shape"),
-    (np.zeros((4, 4, 3, 3), np.float32), "shape"),
-    (np.zeros((10, 3), np.float32), "cannot be split"),
-])
-def test_bad_shapes_raise(pos, message):
-    mesh = make_mesh((2, 4)) if message == "cannot be split" else None
-    with pytest.raises(ValueError, match=message):
-        jh.fof(pos, BOX, 0.2, mesh=mesh)
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1)])
+def test_particle_count_not_divisible_by_the_devices(adversarial, shape):
+    """N = 4093 on 8 devices: padded to 4096 inside, the padding takes no part (labels,
+    catalogue, the mean separation behind ``b``)."""
+    pos, vel, mass = (a[:N - 3] for a in adversarial[:3])
+    want_labels = ref.fof_labels(pos, BOX, L_LINK)
+    labels, cat = jh.fof(pos, BOX, L_LINK, vel=vel, mass=mass, min_members=MIN_MEMBERS,
+                         mesh=make_mesh(shape), config=FACES)
+    assert labels.shape == (N - 3,)
+    np.testing.assert_array_equal(np.asarray(labels), want_labels)
+    _assert_catalogue(cat.to_numpy(), ref.catalogue(pos, BOX, want_labels, MIN_MEMBERS, vel, mass))
+    b_link = 0.2 * BOX / (N - 3) ** (1 / 3)
+    by_b, _ = jh.fof(pos, BOX, b=0.2, min_members=MIN_MEMBERS, mesh=make_mesh(shape),
+                     config=FACES)
+    np.testing.assert_array_equal(np.asarray(by_b), ref.fof_labels(pos, BOX, b_link))
+
+
+@pytest.mark.parametrize("pos", [np.zeros((10, 2), np.float32),
+                                 np.zeros((4, 4, 3, 3), np.float32)])
+def test_bad_shapes_raise(pos):
+    with pytest.raises(ValueError, match="shape"):
+        jh.fof(pos, BOX, 0.2)
 
 
 def test_bad_box_and_mesh_raise(adversarial):

@@ -232,6 +232,21 @@ def test_query_points(clustered):
     np.testing.assert_allclose(np.asarray(rho).reshape(990), want, rtol=1e-5)
 
 
+def test_particle_count_not_divisible_by_the_devices(clustered):
+    """N = 4093 on 8 devices: padded inside; no padding row is a neighbour, and the mean
+    density of ``overdensity`` counts the real particles only."""
+    pos, k = clustered[:N - 3], 8
+    mesh = make_mesh((2, 4))
+    dist, idx = jh.knn(pos, BOX, k, mesh=mesh)
+    _check_exact(pos, BOX, k, dist, idx)
+    delta = jh.knn_density(pos, BOX, k, mesh=mesh, overdensity=True)
+    rk = np.asarray(dist, np.float64)[:, -1]
+    with np.errstate(divide="ignore"):  # duplicates: r_k = 0
+        want = (k - 1) / (4 / 3 * np.pi * rk ** 3) / ((N - 3) / BOX ** 3) - 1
+    # The padded count would be off by 7e-4 (1 + delta).
+    np.testing.assert_allclose(np.asarray(delta), want, rtol=1e-5, atol=1e-6)
+
+
 def test_reduce_hook_returns_only_per_particle_values(clustered):
     k = 8
     mesh = make_mesh((2, 4))
