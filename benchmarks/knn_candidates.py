@@ -95,7 +95,8 @@ def main(argv=None):
     mean = np.mean(counts, axis=0)
     print(f"{nc}^3, k = {k}, batches of {batch}, {args.batches} batches of one device:")
     print(f"  search box itself:       {mean[0]:6.0f} rows")
-    for f, name in enumerate(["cover scanned (level L)", "cover at level L + 1", "cover at level L + 2"]):
+    names = ["cover scanned (level L)", "cover at level L + 1", "cover at level L + 2"]
+    for f, name in enumerate(names):
         print(f"  {name + ':':24} {mean[1 + 2 * f]:6.0f} rows, {mean[2 + 2 * f]:5.0f} nodes")
     return 0
 

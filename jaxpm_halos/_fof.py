@@ -254,8 +254,8 @@ def _fof_program(problem: Problem, in_specs, linking_length: float, min_members:
         fields, shape = local_fields(problem, *blocks)
         n = fields["pos"].shape[0]
         fields["mass"] = row_masses(problem, fields)
-        migrated, labels, cat = _device_fof(pencils, fields, local_valid(problem, n), linking_length,
-                                            min_members, config, n0, layout.grid)
+        migrated, labels, cat = _device_fof(pencils, fields, local_valid(problem, n),
+                                            linking_length, min_members, config, n0, layout.grid)
         labels = return_trip(pencils, labels, migrated.payload["origin"], migrated.count, n,
                              dom.transfer_rows(n0, layout.grid), dom.capacity_rows(n0))
         return labels.reshape(shape), dataclasses.replace(cat, num=cat.num[None])
