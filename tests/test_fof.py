@@ -288,7 +288,8 @@ def test_particle_count_not_divisible_by_the_devices(adversarial, shape):
     assert labels.shape == (N - 3,)
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
     _assert_catalogue(cat.to_numpy(), ref.catalogue(pos, BOX, want_labels, MIN_MEMBERS, vel, mass))
-    b_link = 0.2 * BOX / (N - 3) ** (1 / 3)
+    b_link = 0.2 * (BOX / (N - 3) ** (1 / 3))  # b times the mean separation of 4093
+    assert ref.unambiguous_linking_length(pos, BOX, b_link) == b_link
     by_b, _ = jh.fof(pos, BOX, b=0.2, min_members=MIN_MEMBERS, mesh=make_mesh(shape),
                      config=FACES)
     np.testing.assert_array_equal(np.asarray(by_b), ref.fof_labels(pos, BOX, b_link))

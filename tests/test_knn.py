@@ -232,11 +232,12 @@ def test_query_points(clustered):
     np.testing.assert_allclose(np.asarray(rho).reshape(990), want, rtol=1e-5)
 
 
-def test_particle_count_not_divisible_by_the_devices(clustered):
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     """N = 4093 on 8 devices: padded inside; no padding row is a neighbour, and the mean
     density of ``overdensity`` counts the real particles only."""
     pos, k = clustered[:N - 3], 8
-    mesh = make_mesh((2, 4))
+    mesh = make_mesh(shape)
     dist, idx = jh.knn(pos, BOX, k, mesh=mesh)
     _check_exact(pos, BOX, k, dist, idx)
     delta = jh.knn_density(pos, BOX, k, mesh=mesh, overdensity=True)
