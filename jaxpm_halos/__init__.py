@@ -9,9 +9,10 @@ from ._config import DomainConfig, FoFConfig, KNNConfig
 from ._fof import fof, fof_local
 from ._frontend import clear_caches
 from ._jaxpm import from_jaxpm
-from ._knn import knn, knn_density, knn_local, knn_on_decomposition
+from ._knn_api import knn, knn_density, knn_local, knn_on_decomposition
 from ._particles import Particles
-from ._status import CapacityError, InvalidInputError, Status
+from ._retry import GrowthWarning
+from ._status import CapacityError, Failure, FailureKind, InvalidInputError, Status
 from .extension import EXTENSION, InSitu, Snapshot, register
 from .extension import check as check_insitu
 from .io import LoadedCatalogue, gather_catalogue, load_catalogue, write_catalogue
@@ -45,6 +46,9 @@ __all__ = [
     "write_catalogue",
     # errors and buffers
     "CapacityError",
+    "Failure",
+    "FailureKind",
+    "GrowthWarning",
     "InvalidInputError",
     "Status",
     "clear_caches",

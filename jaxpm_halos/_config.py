@@ -149,3 +149,30 @@ class KNNConfig:
         if factor is None:
             factor = 1.0 if capped else 1 / 64
         return min(n0 * 2, max(32, _rows(factor, n0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """A config field that sizes a buffer, named as ``(class, field)``.
+
+    Checked when the module is imported, so a renamed field fails at once rather than in
+    an error message that suggests a setting that no longer exists.
+    """
+
+    owner: type
+    field: str
+
+    def __post_init__(self):
+        if self.field not in {f.name for f in dataclasses.fields(self.owner)}:
+            raise TypeError(f"{self.owner.__name__} has no field {self.field!r}")
+
+    def __str__(self) -> str:
+        return f"{self.owner.__name__}.{self.field}"
+
+
+TRANSFER = Knob(DomainConfig, "transfer_factor")
+CAPACITY = Knob(DomainConfig, "capacity_factor")
+GHOSTS = Knob(DomainConfig, "ghost_factor")
+IMAGES = Knob(DomainConfig, "image_factor")
+MAX_HALOS = Knob(FoFConfig, "max_halos")
+REMOTE = Knob(KNNConfig, "remote_factor")

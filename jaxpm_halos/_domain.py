@@ -27,7 +27,6 @@ from jax import lax
 
 from ._cells import sort_rows
 from ._layout import Pencils
-from ._status import Limit, Status
 
 int32 = jnp.int32
 
@@ -352,18 +351,6 @@ class Decomposition(NamedTuple):
     ext: Extended
     ghosts: Ghosts
     need_ghosts: jax.Array
-
-
-def domain_status(pencils: Pencils, decomposition: Decomposition, transfer_rows: int,
-                  capacity_rows: int, ghost_rows: int, n0: int) -> Status:
-    """The :class:`~._status.Status` of a decomposition's buffers (maxima over devices)."""
-    migrated = decomposition.migrated
-    needs = {"transfer": migrated.need_transfer, "capacity": migrated.need_capacity,
-             "ghosts": decomposition.need_ghosts}
-    limits = (("transfer", Limit("DomainConfig.transfer_factor", transfer_rows, n0)),
-              ("capacity", Limit("DomainConfig.capacity_factor", capacity_rows, n0)),
-              ("ghosts", Limit("DomainConfig.ghost_factor", ghost_rows, n0)))
-    return Status(pmax_all(pencils, needs), psum_all(pencils, migrated.nonfinite), limits)
 
 
 def decompose(pencils: Pencils, fields: dict, valid, width: float, transfer_rows: int,

@@ -26,18 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from ._catalogue import Catalogue, catalogue_rows
 from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
-from ._config import FoFConfig
-from ._domain import (Decomposition, Extended, Ghosts, decompose, domain_status, pmax_all, psum_all,
-                      return_trip, selection)
-from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache,
-                        row_masses, trim_padding)
-from ._geometry import periodic_distance2, wrap
-from ._layout import Pencils, width_fraction
+from ._config import IMAGES, MAX_HALOS, FoFConfig
+from ._domain import Decomposition, Extended, Ghosts, pmax_all, psum_all, selection
+from ._frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
+                        prepare, program_cache, row_masses, trim_padding)
+from ._geometry import periodic_distance2
+from ._layout import Pencils
 from ._particles import Particles
+from ._pipeline import Plan, Step, analyse, on_device, plan_for, run_sharded
+from ._retry import run_growing
 from ._status import Limit, Status, is_traced
 
 int32 = jnp.int32
@@ -176,36 +176,43 @@ def ghost_width(linking_length: float, box_size: float) -> float:
     return float(linking_length) * (1 + 1e-5) + 8 * float(np.finfo(np.float32).eps) * box_size
 
 
-def _device_fof(pencils: Pencils, fields, valid, linking_length, min_members, config: FoFConfig,
-                n0: int, grid: bool):
-    """FoF on one device's rows. Returns ``(migrated, labels, catalogue)``."""
-    dom = config.domain
-    width = ghost_width(linking_length, pencils.box_size)
-    transfer, capacity = dom.transfer_rows(n0, grid), dom.capacity_rows(n0)
-    ghost = dom.ghost_rows(n0, width_fraction(pencils, width))
-    decomposition = decompose(pencils, fields, valid, width, transfer, capacity, ghost)
-    labels, catalogue = fof_on_decomposition(pencils, decomposition, linking_length, width,
-                                             min_members, config, n0)
-    migrated = decomposition.migrated
-    status = domain_status(pencils, decomposition, transfer, capacity, ghost, n0)
-    catalogue = dataclasses.replace(catalogue, status=status.merge(catalogue.status))
-    return migrated, labels, catalogue
+def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig) -> Step:
+    """FoF as a pipeline :class:`~._pipeline.Step`: labels per particle and the catalogue.
+
+    ``plan`` is the decomposition's; when its ghost layer is wider than FoF needs (kNN's,
+    in situ), FoF rebuilds ghosts of its own width from the migrated particles: the wider
+    layer would only add rows to sort and scan.
+    """
+    own = plan.with_width(ghost_width(linking_length, plan.pencils.box_size))
+
+    def run(decomposition: Decomposition):
+        ghost_status = None
+        if plan.width > own.width * (1 + 1e-6):
+            decomposition, ghost_status = own.reghost(decomposition.migrated, "fof ghosts")
+        labels, catalogue = fof_on_decomposition(own, decomposition, linking_length,
+                                                 min_members, config)
+        if ghost_status is not None:
+            catalogue = dataclasses.replace(catalogue,
+                                            status=ghost_status.merge(catalogue.status))
+        return {"labels": labels, "catalogue": dataclasses.replace(catalogue,
+                                                                   num=catalogue.num[None])}
+
+    return Step(run, {"labels": "particle", "catalogue": "device"})
 
 
-def fof_on_decomposition(pencils: Pencils, decomposition: Decomposition, linking_length: float,
-                         width: float, min_members: int, config: FoFConfig, n0: int):
+def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_length: float,
+                         min_members: int, config: FoFConfig):
     """FoF labels of the owned rows and this device's catalogue, from a decomposition whose
-    ghost layer is at least ``width`` (:func:`ghost_width` of the linking length) wide.
+    ghost layer is ``plan.width`` (:func:`ghost_width` of the linking length) wide.
 
     The catalogue's status covers the buffers FoF adds (z images and halo rows).
     """
+    pencils = plan.pencils
     ext, migrated = decomposition.ext, decomposition.migrated
     capacity = ext.owned
-    dom = config.domain
-    images = dom.image_rows(n0, width_fraction(pencils, width), width / pencils.box_size)
-    halo_rows = config.halo_rows(n0)
-    component, segments, need_images, _ = local_components(ext, pencils, linking_length, width,
-                                                           images, config.chunk_size)
+    halo_rows = config.halo_rows(plan.n0)
+    component, segments, need_images, _ = local_components(
+        ext, pencils, linking_length, plan.width, plan.image_rows, config.chunk_size)
     labels, _ = merge_labels(ext, decomposition.ghosts, pencils, component, segments)
     is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)
     group, has_ghost = _group_by_label(labels, component, segments, is_ghost,
@@ -216,10 +223,9 @@ def fof_on_decomposition(pencils: Pencils, decomposition: Decomposition, linking
         ids=payload["id"], owned=migrated.valid, group=group[:capacity],
         segments=segments, labels=labels[:capacity], has_ghost=has_ghost,
         min_members=min_members, halo_rows=halo_rows)
-    needs = {"z images": need_images, "halos": need_halos}
-    limits = (("z images", Limit("DomainConfig.image_factor", images, n0)),
-              ("halos", Limit("FoFConfig.max_halos", halo_rows)))
-    status = Status(pmax_all(pencils, needs), jnp.int32(0), limits)
+    status = plan.status({"z images": need_images}, {"z images": IMAGES}).merge(
+        Status(pmax_all(pencils, {"halos": need_halos}), jnp.int32(0),
+               (("halos", Limit(MAX_HALOS, halo_rows)),)))
     catalogue = Catalogue(id=cat["id"], count=cat["count"], mass=cat["mass"], pos=cat["pos"],
                           vel=cat.get("vel"), vel_disp=cat.get("vel_disp"), radius=cat["radius"],
                           num=num, status=status)
@@ -246,29 +252,25 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
 @program_cache(32)
 def _fof_program(problem: Problem, in_specs, linking_length: float, min_members: int,
                  config: FoFConfig):
-    layout, pencils = problem.layout, problem.pencils
-    n0 = layout.local_size
-    dom = config.domain
+    layout = problem.layout
+    plan = plan_for(problem, config.domain, ghost_width(linking_length, problem.box_size))
+    steps = {"fof": fof_step(plan, linking_length, min_members, config)}
 
     def device(*blocks):
         fields, shape = local_fields(problem, *blocks)
-        n = fields["pos"].shape[0]
         fields["mass"] = row_masses(problem, fields)
-        migrated, labels, cat = _device_fof(pencils, fields, local_valid(problem, n),
-                                            linking_length, min_members, config, n0, layout.grid)
-        labels = return_trip(pencils, labels, migrated.payload["origin"], migrated.count, n,
-                             dom.transfer_rows(n0, layout.grid), dom.capacity_rows(n0))
-        return labels.reshape(shape), dataclasses.replace(cat, num=cat.num[None])
+        valid = local_valid(problem, fields["pos"].shape[0])
+        return on_device(plan, fields, valid, shape, steps)
 
-    dev = layout.device_spec
-    cat_specs = Catalogue(id=dev, count=dev, mass=dev, pos=dev, vel=dev if problem.has_vel else None,
-                          vel_disp=dev if problem.has_vel else None, radius=dev, num=dev,
-                          status=P())
-    return jax.jit(lambda *args: layout.run(device, args, in_specs, (layout.spec, cat_specs)))
+    def run(*args):
+        out = run_sharded(layout, device, args, in_specs)["fof"]
+        return out["labels"], out["catalogue"]
+
+    return jax.jit(run)
 
 
 def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
-        min_members: int = 20, mesh=None, config: FoFConfig = FoFConfig()):
+        min_members: int = 20, mesh=None, config: FoFConfig = FoFConfig(), grow: bool = True):
     """Friends-of-friends groups and their catalogue, distributed over the input's mesh.
 
     Args:
@@ -286,24 +288,31 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       min_members: smallest group that enters the catalogue.
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
       config: buffer sizes (:class:`~jaxpm_halos.FoFConfig`).
+      grow: outside ``jit``, when a buffer overflows, grow it and run again (a few rounds
+        at most, then a :class:`~jaxpm_halos.GrowthWarning` names the config that fitted).
+        ``False`` raises :class:`~jaxpm_halos.CapacityError` instead, naming a setting
+        that fits.
 
     Returns:
       ``(labels, catalogue)``. ``labels`` has the input's leading shape and sharding; a
       particle's label is the smallest id in its group (input index, or lattice index for
-      grids), so labels are identical on every mesh. ``catalogue`` is a padded
-      :class:`~jaxpm_halos.Catalogue`. Called outside ``jit``, a buffer overflow or a
-      non-finite position raises an error naming the knob and a value that fits; inside
-      ``jit``, read ``catalogue.status`` (or call ``catalogue.status.raise_if_failed()``).
+      grids), so labels are identical on every mesh; particles excluded for a non-finite
+      position have label -1. ``catalogue`` is a padded :class:`~jaxpm_halos.Catalogue`.
+      Outside ``jit`` a non-finite position raises
+      :class:`~jaxpm_halos.InvalidInputError`; inside ``jit``, read ``catalogue.status``
+      (it covers every buffer the result depends on), or thread a runtime check with
+      ``labels = catalogue.status.error_if(labels)``.
     """
     problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)
     l = _linking_length(problem, linking_length, b)
     if int(min_members) < 1:
         raise ValueError(f"min_members must be at least 1, got {min_members}")
-    labels, catalogue = _fof_program(problem, in_specs, l, int(min_members), config)(*args)
-    labels = trim_padding(problem, labels)
-    if not is_traced(labels):
-        catalogue.status.check(config, "config={}")
-    return labels, catalogue
+    run = lambda cfg: _fof_program(problem, in_specs, l, int(min_members), cfg)(*args)
+    if is_traced(args):
+        labels, catalogue = run(config)
+    else:
+        (labels, catalogue), _ = run_growing(run, config, lambda out: out[1].status, grow=grow)
+    return trim_padding(problem, labels), catalogue
 
 
 def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
@@ -324,20 +333,14 @@ def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
       (padded, valid first), their labels in that order (-1 in padding), and this device's
       padded catalogue (``num`` is a scalar). No return trip is made.
     """
-    x_axis, y_axis = axes
-    px = jax.lax.axis_size(x_axis) if x_axis else 1
-    py = jax.lax.axis_size(y_axis) if y_axis else 1
-    pencils = Pencils(x_axis if px > 1 else None, y_axis if py > 1 else None, px, py,
-                      particles.box_size)
+    pencils = Pencils.from_axes(axes, particles.box_size)
     n0 = particles.size if n0 is None else int(n0)
-    fields = {"pos": wrap(particles.pos.reshape(-1, 3), particles.box_size),
-              "id": particles.id.reshape(-1), "mass": particles.masses()}
-    if particles.vel is not None:
-        fields["vel"] = particles.vel.reshape(-1, 3)
-    migrated, labels, catalogue = _device_fof(pencils, fields, particles.valid(),
-                                              float(linking_length), int(min_members), config, n0,
-                                              grid=False)
-    payload = migrated.payload
-    domain = Particles(payload["pos"], payload["id"], migrated.count, payload.get("vel"),
-                       payload["mass"], particles.box_size)
-    return domain, labels, catalogue
+    l = float(linking_length)
+    plan = Plan(pencils, config.domain, n0, ghost_width(l, particles.box_size))
+    decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
+    outputs, _ = analyse(decomposition, domain,
+                         {"fof": fof_step(plan, l, int(min_members), config)})
+    catalogue = outputs["fof"]["catalogue"]
+    migrated = decomposition.migrated
+    return (particles_of(migrated, particles.box_size), outputs["fof"]["labels"],
+            dataclasses.replace(catalogue, num=catalogue.num[0]))

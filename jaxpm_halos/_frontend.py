@@ -152,6 +152,23 @@ def local_fields(problem: Problem, *blocks):
     return fields, block_shape
 
 
+def particle_fields(particles: Particles) -> dict:
+    """Row fields (``pos`` wrapped, ``id``, ``mass``, and ``vel`` when present) of one
+    device's :class:`~jaxpm_halos.Particles`, for the local APIs."""
+    fields = {"pos": wrap(particles.pos.reshape(-1, 3), particles.box_size),
+              "id": particles.id.reshape(-1), "mass": particles.masses()}
+    if particles.vel is not None:
+        fields["vel"] = particles.vel.reshape(-1, 3)
+    return fields
+
+
+def particles_of(migrated, box_size: float) -> Particles:
+    """The :class:`~jaxpm_halos.Particles` a device owns after migration (valid first)."""
+    payload = migrated.payload
+    return Particles(payload["pos"], payload["id"], migrated.count, payload.get("vel"),
+                     payload["mass"], box_size)
+
+
 def local_valid(problem: Problem, rows: int):
     """(rows,) bool: this device's input rows that hold particles (not :func:`prepare`'s
     padding)."""

@@ -45,25 +45,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from ._cells import MORTON_BITS, morton_key, sort_rows
-from ._config import KNNConfig
-from ._domain import (Decomposition, decompose, domain_status, migrate, pmax_all, psum_all,
-                      return_trip, selection)
+from ._config import IMAGES, REMOTE, KNNConfig
+from ._domain import pmax_all, psum_all, selection
 from ._fof import z_images
-from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache,
-                        row_masses, trim_padding)
-from ._geometry import periodic_delta, periodic_distance2, wrap
-from ._layout import Pencils, width_fraction
-from ._particles import Particles
-from ._status import Limit, Status, is_traced
+from ._geometry import periodic_delta, periodic_distance2
+from ._layout import Pencils
+from ._pipeline import Plan
+from ._status import Limit, Status
 
 int32 = jnp.int32
 _SENTINEL = np.iinfo(np.int32).max
@@ -711,24 +707,26 @@ def _drop_self(d2, ids, codes, self_id, k: int):
     return take(d2), take(ids), take(codes)
 
 
-def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
-               config: KNNConfig, n0: int, queries=None):
+def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, queries=None):
     """kNN on one device's extended rows.
 
     Args:
-      ext: the :class:`~._domain.Extended` rows of a decomposition with ghosts of ``width``.
+      plan: the decomposition's :class:`~._pipeline.Plan`, whose width is kNN's.
+      ext: the :class:`~._domain.Extended` rows of a decomposition with ghosts of
+        ``plan.width``.
       ext_pos, ext_mass: differentiable canonical positions and masses of the extended rows
         (the selection uses ``ext.pos`` with stopped gradients).
       queries: None for the owned particles themselves (self excluded), or
         ``(pos, valid)`` of query points that lie in this device's pencil.
 
-    Returns ``(neighbours, needs, limits)`` where ``neighbours`` has one row per owned row
-    (or per query row), in that order.
+    Returns ``(neighbours, status)`` where ``neighbours`` has one row per owned row
+    (or per query row), in that order, and ``status`` covers the z images and the
+    cross-device pass.
     """
+    pencils, width, n0 = plan.pencils, plan.width, plan.n0
     dtype = ext.pos.dtype
     frame = _Frame.of(pencils, width, dtype)
-    dom = config.domain
-    image_rows = dom.image_rows(n0, width_fraction(pencils, width), width / pencils.box_size)
+    image_rows = plan.image_rows
     origin, cover_lo, cover_hi = frame.arrays(pencils, dtype)
     index, need_images = build_index(frame, ext, origin, image_rows)
     R = index.key.shape[0]
@@ -866,10 +864,9 @@ def knn_device(pencils: Pencils, ext, ext_pos, ext_mass, k: int, width: float,
     mass_table = jnp.concatenate([ext_mass, jnp.zeros((1,), ext_mass.dtype),
                                   r_mass.reshape(-1)])
     nb = Neighbours(d2, nb_id, pos_table[codes], mass_table[codes], ok)
-    needs = {"z images": need_images, "knn remote": n_far}
-    limits = (("z images", Limit("DomainConfig.image_factor", image_rows, n0)),
-              ("knn remote", Limit("KNNConfig.remote_factor", F3, n0)))
-    return nb, needs, limits
+    remote_status = Status(pmax_all(pencils, {"knn remote": n_far}), jnp.int32(0),
+                           (("knn remote", Limit(REMOTE, F3, n0)),))
+    return nb, plan.status({"z images": need_images}, {"z images": IMAGES}).merge(remote_status)
 
 
 # ----------------------------------------------------------------------------------------
@@ -897,394 +894,3 @@ def density_from(dist, nb_mass, k: int):
     return mass / (4.0 / 3.0 * jnp.pi * rk ** 3)
 
 
-def _check_k(k, total: int, self_mode: bool) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise ValueError(f"k must be a positive integer, got {k!r}")
-    k = int(k)
-    if k < 1:
-        raise ValueError(f"k must be at least 1, got {k}")
-    if self_mode and k >= total:
-        raise ValueError(f"k = {k} neighbours need at least k + 1 particles; there are {total}")
-    if not self_mode and k > total:
-        raise ValueError(f"k = {k} neighbours need at least k particles; there are {total}")
-    return k
-
-
-def _query_rows(query, devices: int):
-    """Flatten query points to (M, 3) and pad them to a multiple of the device count."""
-    if not hasattr(query, "shape"):
-        query = jnp.asarray(query)
-    if not jnp.issubdtype(query.dtype, jnp.floating):
-        query = jnp.asarray(query, jnp.float32)
-    if query.ndim < 1 or query.shape[-1] != 3:
-        raise ValueError(f"query points must have a trailing axis of size 3, got {query.shape}")
-    lead = tuple(query.shape[:-1])
-    flat = query.reshape(-1, 3)
-    m = flat.shape[0]
-    if m == 0:
-        raise ValueError("query holds no points")
-    pad = -m % devices
-    if pad:
-        flat = jnp.concatenate([flat, jnp.zeros((pad, 3), flat.dtype)])
-    return flat, lead, m
-
-
-def _pack_rows(tree):
-    """Pack per-row arrays into one float32 (n, a) and one int32 (n, b) array, so that
-    moving them costs one set of operations each (floats stay floats: gradients flow);
-    other dtypes travel as they are. Returns ``(packed, unpack)``."""
-    leaves, treedef = jax.tree.flatten(tree)
-    n = leaves[0].shape[0]
-    floats, ints, other, layout = [], [], [], []
-    for leaf in leaves:
-        if leaf.dtype == jnp.float32:
-            layout.append(("f", leaf.shape, leaf.dtype, sum(c.shape[1] for c in floats)))
-            floats.append(leaf.reshape(n, -1))
-        elif leaf.dtype == jnp.bool_ or leaf.dtype in (jnp.int32, jnp.uint32):
-            layout.append(("i", leaf.shape, leaf.dtype, sum(c.shape[1] for c in ints)))
-            ints.append(leaf.reshape(n, -1).astype(int32))
-        else:
-            layout.append(("o", leaf.shape, leaf.dtype, len(other)))
-            other.append(leaf)
-    cat = lambda cols, dtype: (jnp.concatenate(cols, axis=1) if cols
-                               else jnp.zeros((n, 0), dtype))
-    packed = (cat(floats, jnp.float32), cat(ints, int32), other)
-
-    def unpack(moved):
-        fblock, iblock, rest = moved
-        out = []
-        for kind, shape, dtype, start in layout:
-            if kind == "o":
-                out.append(rest[start])
-                continue
-            width = int(np.prod(shape[1:], dtype=int))
-            block = fblock if kind == "f" else iblock
-            flat = block[:, start:start + width]
-            if kind == "i":
-                flat = flat > 0 if dtype == jnp.bool_ else flat.astype(dtype)
-            out.append(flat.reshape((block.shape[0],) + shape[1:]))
-        return jax.tree.unflatten(treedef, out)
-
-    return packed, unpack
-
-
-class _Spec(NamedTuple):
-    """Static settings of one kNN computation."""
-
-    k: int
-    width: float
-    config: KNNConfig
-    output: str  # "neighbours", "density" or "reduce"
-    reduce_fn: Callable | None
-    overdensity: bool
-
-
-def _finish(pencils: Pencils, spec: _Spec, nb: Neighbours, qpos, data, total_mass):
-    """Per-row outputs from the neighbours, on the device."""
-    k = spec.k
-    dist = neighbour_distances(qpos, nb, pencils.box_size)
-    if spec.output == "neighbours":
-        return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
-    if spec.output == "density":
-        rho = density_from(dist, nb.mass, k)
-        if spec.overdensity:
-            rho = rho / (total_mass / pencils.box_size ** 3) - 1
-        return {"rho": rho}
-    data = dict(data)
-    data["neighbour_mass"] = nb.mass
-    return {"value": spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)}
-
-
-def _domain_buffers(pencils: Pencils, config: KNNConfig, width: float, n0: int, grid: bool):
-    dom = config.domain
-    return (dom.transfer_rows(n0, grid), dom.capacity_rows(n0),
-            dom.ghost_rows(n0, width_fraction(pencils, width)))
-
-
-def _device_knn(pencils: Pencils, spec: _Spec, fields, valid, n0: int, grid: bool,
-                queries=None, qn0: int = 0, trip: bool = True):
-    """Migrate, build ghosts and run kNN for one device's rows.
-
-    ``fields`` hold ``pos``, ``id`` and ``mass`` (and optionally ``vel``) of this device's
-    input rows. ``queries`` is None (the particles themselves) or ``(pos, valid)`` rows of
-    query points. With ``trip`` the per-row outputs are routed back to the input rows (the
-    query rows for queries); otherwise self-mode outputs stay in domain order.
-
-    Returns ``(values, status, migrated)``.
-    """
-    k, width, config = spec.k, spec.width, spec.config
-    box = pencils.box_size
-    transfer, capacity, ghost_rows = _domain_buffers(pencils, config, width, n0, grid)
-    n = fields["pos"].shape[0]
-    dec = decompose(pencils, fields, valid, width, transfer, capacity, ghost_rows)
-    mig = dec.migrated
-    ext_mass = dec.ghosts.forward(pencils, mig.payload["mass"])
-    domain = domain_status(pencils, dec, transfer, capacity, ghost_rows, n0)
-    needs, limits, query_nonfinite = {}, (), jnp.int32(0)
-    total_mass = None
-    if spec.overdensity:
-        total_mass = psum_all(pencils, jnp.sum(jnp.where(mig.valid, mig.payload["mass"], 0)))
-    if queries is not None:
-        qpos_in, qvalid = queries
-        nq = qpos_in.shape[0]
-        dom = config.domain
-        q_transfer, q_capacity = dom.transfer_rows(qn0, False), dom.capacity_rows(qn0)
-        qfields = {"pos": wrap(qpos_in.reshape(-1, 3), box),
-                   "id": pencils.device_index() * nq + jnp.arange(nq, dtype=int32)}
-        qmig = migrate(pencils, qfields, qvalid, q_transfer, q_capacity)
-        nb, kneeds, klimits = knn_device(pencils, dec.ext, dec.ext.pos, ext_mass, k, width,
-                                         config, n0, queries=(qmig.payload["pos"], qmig.valid))
-        needs.update({"query transfer": qmig.need_transfer,
-                      "query capacity": qmig.need_capacity})
-        limits += (("query transfer", Limit("DomainConfig.transfer_factor", q_transfer, qn0)),
-                   ("query capacity", Limit("DomainConfig.capacity_factor", q_capacity, qn0)))
-        query_nonfinite = qmig.nonfinite
-        qpos = qmig.payload["pos"]
-        values = _finish(pencils, spec, nb, qpos, {"pos": qpos}, total_mass)
-        origin, count, rows_in, buffers = qmig.payload["origin"], qmig.count, nq, (q_transfer,
-                                                                                  q_capacity)
-        trip = True
-    else:
-        nb, kneeds, klimits = knn_device(pencils, dec.ext, dec.ext.pos, ext_mass, k, width,
-                                         config, n0)
-        data = {key: mig.payload[key] for key in ("pos", "id", "mass", "vel")
-                if key in mig.payload}
-        values = _finish(pencils, spec, nb, mig.payload["pos"], data, total_mass)
-        origin, count, rows_in, buffers = mig.payload["origin"], mig.count, n, (transfer,
-                                                                               capacity)
-    needs.update(kneeds)
-    status = Status({**domain.needed, **pmax_all(pencils, needs)},
-                    domain.nonfinite + psum_all(pencils, query_nonfinite),
-                    domain.limits + limits + klimits)
-    if not trip:
-        return values, status, mig
-    values["ok"] = jnp.ones(nb.ok.shape, bool)
-    packed, unpack = _pack_rows(values)
-    values = unpack(return_trip(pencils, packed, origin, count, rows_in, *buffers))
-    back = values.pop("ok")
-    if spec.output == "neighbours":
-        values["dist"] = jnp.where(back[:, None], values["dist"], jnp.nan)
-        values["idx"] = jnp.where(back[:, None], values["idx"], -1)
-    elif spec.output == "density":
-        values["rho"] = jnp.where(back, values["rho"], jnp.nan)
-    return values, status, mig
-
-
-@program_cache(32)
-def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
-    """Jitted shard_map program; ``query_rows`` > 0 for query points (padded total)."""
-    layout, pencils = problem.layout, problem.pencils
-    n0 = layout.local_size
-    D = pencils.num_devices
-    dev_axes = _devices(pencils)
-
-    def device(*blocks):
-        blocks = list(blocks)
-        queries = None
-        if query_rows:
-            qvalid = blocks.pop()
-            queries = (blocks.pop(), qvalid)
-        fields, shape = local_fields(problem, *blocks)
-        n = fields["pos"].shape[0]
-        fields["mass"] = row_masses(problem, fields)
-        values, status, _ = _device_knn(pencils, spec, fields, local_valid(problem, n), n0,
-                                        layout.grid, queries, query_rows // D)
-        if not query_rows:
-            values = jax.tree.map(lambda a: a.reshape(shape + a.shape[1:]), values)
-        return values, status
-
-    if query_rows:
-        lead = P(dev_axes if dev_axes else None)
-        in_specs = tuple(in_specs) + (P(dev_axes if dev_axes else None, None), lead)
-    else:
-        lead = layout.spec
-
-    def run(*args):
-        return layout.run(device, args, in_specs, (lead, P()))
-
-    return jax.jit(run)
-
-
-def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overdensity,
-         with_status):
-    problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
-    pencils = problem.pencils
-    self_mode = query is None
-    k = _check_k(k, problem.total, self_mode)
-    width = ghost_width(k, problem.total, pencils, config)
-    query_rows, lead, m = 0, None, 0
-    if not self_mode:
-        flat, lead, m = _query_rows(query, pencils.num_devices)
-        query_rows = flat.shape[0]
-        args = args + (flat.astype(args[0].dtype), jnp.arange(query_rows) < m)
-    traced = is_traced(args)
-    while True:
-        spec = _Spec(k, width, config, output, reduce_fn, bool(overdensity))
-        values, status = _knn_program(problem, in_specs, spec, query_rows)(*args)
-        if traced:
-            break
-        needs = {name: int(np.max(np.asarray(v))) for name, v in status.needed.items()}
-        limits = dict(status.limits)
-        if any(needs[name] > lim.rows for name, lim in limits.items() if name != "knn remote"):
-            break  # status.check() names the buffer
-        needed, limit = needs["knn remote"], limits["knn remote"]
-        capacity = config.domain.capacity_rows(problem.layout.local_size)
-        if needed <= limit.rows or limit.rows >= capacity:
-            break
-        # Too many spheres left the ghost layers: rerun with room for all of them.
-        factor = math.ceil(needed * 1.25 / limit.scale * 1000) / 1000
-        config = dataclasses.replace(config, remote_factor=factor)
-    if not traced:
-        status.check(config, "config={}")
-    key = {"neighbours": None, "density": "rho", "reduce": "value"}[output]
-    if key is None:
-        result = (values["dist"], values["idx"])
-    else:
-        result = values[key]
-    if self_mode:
-        result = trim_padding(problem, result)
-    else:
-        result = jax.tree.map(lambda a: a[:m].reshape(lead + a.shape[1:]), result)
-    return (result, status) if with_status else result
-
-
-def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callable | None = None,
-        config: KNNConfig = KNNConfig(), with_status: bool = False):
-    """Exact k nearest neighbours in a periodic box, distributed over the input's mesh.
-
-    Args:
-      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
-        then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
-        ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
-        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
-      box_size: periodic box side (taken from Particles).
-      k: number of neighbours, ``1 <= k < N`` (``k <= N`` with ``query``).
-      mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
-      query: optional points ``(..., 3)``, sharded along axis 0 or not. Then the result is
-        for these points, with no particle excluded, in the query's leading shape.
-      reduce: optional ``fn(dist, idx, data) -> pytree`` run on each device while the
-        particles are in their domains, on ``(n, k)`` distances and ids of ``n`` rows and
-        ``data``, a dict of ``(n, ...)`` arrays: ``pos``, ``id``, ``mass`` (and ``vel``) of
-        the particles (``pos`` only for query points) and ``neighbour_mass`` ``(n, k)``. Its
-        per-row outputs (leading axis ``n``) are returned instead of ``(dist, idx)``; rows
-        of NaN positions carry zeros.
-      config: :class:`~jaxpm_halos.KNNConfig`.
-      with_status: also return the :class:`~jaxpm_halos.Status`.
-
-    Returns:
-      ``(dist, idx)``: ``(..., k)`` distances (ascending, periodic minimum image) to the k
-      nearest *other* particles and their global ids (input index, or lattice index for
-      JaxPM grids), in the input's leading shape and sharding; or the ``reduce`` output.
-      Distances are bitwise identical on every mesh; among neighbours at exactly equal
-      distances the lower id comes first. ``jax.grad`` of a function of ``dist`` flows to
-      the positions with the neighbour selection held fixed.
-
-    Outside ``jit``, a buffer overflow or a non-finite position raises an error naming the
-    knob to change; inside ``jit``, rows that could not be completed are NaN (ids -1)
-    and ``with_status=True`` gives the status to check.
-    """
-    output = "neighbours" if reduce is None else "reduce"
-    return _run(pos, box_size, k, None, mesh, query, config, output, reduce, False, with_status)
-
-
-def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overdensity: bool = False,
-                query=None, config: KNNConfig = KNNConfig(), with_status: bool = False):
-    """kNN density ``rho = (k - 1) m / (4/3 pi r_k^3)`` at each particle (or query point).
-
-    ``r_k`` is the distance to the k-th nearest other particle (nearest particle for query
-    points). With per-particle masses, ``(k - 1) m`` is the mass of the k - 1 nearest
-    neighbours. ``overdensity=True`` returns ``rho / rho_mean - 1`` with ``rho_mean`` the
-    total mass over ``box_size**3``. Needs ``k >= 2``. Other arguments as :func:`knn`.
-    """
-    if isinstance(k, (int, np.integer)) and not isinstance(k, bool) and int(k) < 2:
-        raise ValueError(f"knn_density needs k >= 2 (the estimator uses k - 1), got {k}")
-    return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
-                with_status)
-
-
-def _pencils_from_axes(axes, box_size: float) -> Pencils:
-    x_axis, y_axis = axes
-    px = jax.lax.axis_size(x_axis) if x_axis else 1
-    py = jax.lax.axis_size(y_axis) if y_axis else 1
-    return Pencils(x_axis if px > 1 else None, y_axis if py > 1 else None, px, py, box_size)
-
-
-def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | None = None,
-              query=None, query_valid=None, reduce: Callable | None = None,
-              config: KNNConfig = KNNConfig(), n0: int | None = None):
-    """kNN on one device's particles, for use inside the caller's own ``shard_map``.
-
-    Args:
-      particles: this device's padded :class:`~jaxpm_halos.Particles` (rows, valid first);
-        ids must be global and unique.
-      k: number of neighbours.
-      axes: the caller's mesh axis names that cut the box along x and y (None for an axis
-        that is not cut). Device ``(i, j)`` of those axes owns pencil ``(i, j)``.
-      total: the global number of particles (sets the default ghost width; default: the
-        rows of ``particles`` times the number of devices).
-      query: optional ``(m, 3)`` query points held by this device (any positions), with
-        ``query_valid`` (m,) marking the real ones (default all).
-      reduce: optional ``fn(dist, idx, data)`` as in :func:`knn`.
-      n0: the mean particles per device that the capacity factors refer to (default: the
-        number of rows of ``particles``).
-
-    Returns:
-      Without ``query``: ``(domain, result, status)``: the particles this device owns after
-      migration (padded, valid first), the result for them in that order (``(dist, idx)``
-      or the ``reduce`` output), and the :class:`~jaxpm_halos.Status`. With ``query``:
-      ``(result, status)`` for the query rows in the caller's order. No error is raised
-      inside ``shard_map``: check ``status.ok`` (rows that could not be completed are NaN).
-    """
-    pencils = _pencils_from_axes(axes, particles.box_size)
-    n0 = particles.size if n0 is None else int(n0)
-    total = n0 * pencils.num_devices if total is None else int(total)
-    k = _check_k(k, total, query is None)
-    width = ghost_width(k, total, pencils, config)
-    output = "neighbours" if reduce is None else "reduce"
-    spec = _Spec(k, width, config, output, reduce, False)
-    fields = {"pos": wrap(particles.pos.reshape(-1, 3), particles.box_size),
-              "id": particles.id.reshape(-1), "mass": particles.masses()}
-    if particles.vel is not None:
-        fields["vel"] = particles.vel.reshape(-1, 3)
-    queries = None
-    if query is not None:
-        query = jnp.asarray(query).reshape(-1, 3)
-        qv = (jnp.ones(query.shape[0], bool) if query_valid is None
-              else jnp.asarray(query_valid, bool).reshape(-1))
-        queries = (query.astype(fields["pos"].dtype), qv)
-    values, status, mig = _device_knn(pencils, spec, fields, particles.valid(), n0, False,
-                                      queries, query.shape[0] if query is not None else 0,
-                                      trip=False)
-    result = (values["dist"], values["idx"]) if reduce is None else values["value"]
-    if query is not None:
-        return result, status
-    payload = mig.payload
-    domain = Particles(payload["pos"], payload["id"], mig.count, payload.get("vel"),
-                       payload["mass"], particles.box_size)
-    return domain, result, status
-
-
-def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int, width: float,
-                         *, mass=None, config: KNNConfig = KNNConfig(), n0: int):
-    """kNN of the owned particles of a shared :class:`~._domain.Decomposition`.
-
-    The decomposition's ghost layer must be at least ``width`` wide, with ``width`` at most
-    the layer it was built with (use :func:`ghost_width` for the default). ``mass`` gives
-    per-owned-row masses (default: the migrated ``mass`` field, else 1).
-
-    Returns ``(result, status)``: ``result`` holds, per owned row in the decomposition's
-    order, ``dist`` (rows, k) (differentiable, NaN in padding), ``idx`` (global ids, -1 in
-    padding), ``neighbour_mass`` (rows, k) and ``ok`` (rows,).
-    """
-    mig = decomposition.migrated
-    if mass is None:
-        mass = mig.payload.get("mass", jnp.ones(mig.payload["id"].shape, decomposition.ext.pos.dtype))
-    mass = jnp.broadcast_to(jnp.asarray(mass, decomposition.ext.pos.dtype),
-                            mig.payload["id"].shape)
-    ext_mass = decomposition.ghosts.forward(pencils, mass)
-    nb, needs, limits = knn_device(pencils, decomposition.ext, decomposition.ext.pos, ext_mass,
-                                   int(k), float(width), config, n0)
-    dist = neighbour_distances(mig.payload["pos"], nb, pencils.box_size)
-    result = {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1),
-              "neighbour_mass": nb.mass, "ok": nb.ok}
-    return result, Status(pmax_all(pencils, needs), jnp.int32(0), limits)

@@ -29,6 +29,15 @@ class Pencils:
     py: int
     box_size: float
 
+    @classmethod
+    def from_axes(cls, axes, box_size: float) -> "Pencils":
+        """The pencils of the caller's mesh axes ``(x_axis, y_axis)`` (None where the box
+        is not cut), inside the caller's ``shard_map``."""
+        x_axis, y_axis = axes
+        px = jax.lax.axis_size(x_axis) if x_axis else 1
+        py = jax.lax.axis_size(y_axis) if y_axis else 1
+        return cls(x_axis if px > 1 else None, y_axis if py > 1 else None, px, py, box_size)
+
     @property
     def num_devices(self) -> int:
         return self.px * self.py

@@ -2,21 +2,29 @@
 
 Every fixed-shape buffer in jaxpm_halos has a capacity set by a config knob. The kernels
 never drop data silently: they record the number of rows each buffer *needed* (the maximum
-over devices). :class:`Status` carries those needs next to the static capacities, so
-outside ``jit`` the public functions can raise a clear error naming the knob and a value
-that fits, and inside ``jit`` the caller can read ``status.ok`` or opt in to a runtime error
-with :meth:`Status.raise_if_failed`.
+over devices). :class:`Status` carries those needs next to the static capacities. Outside
+``jit`` the public functions grow the buffer that overflowed and run again (or, with
+``grow=False``, raise an error naming the knob and a value that fits); inside ``jit`` the
+caller reads ``status.ok`` or threads a runtime check through the data with
+:meth:`Status.error_if`.
+
+A failure has a kind (:class:`FailureKind`), never to be recognised by its message text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ._config import Knob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,17 +32,19 @@ class Limit:
     """Static description of one capacity.
 
     Attributes:
-      knob: the config field a user sets, e.g. ``"DomainConfig.transfer_factor"``.
+      knob: the config field a user sets, e.g. ``Knob(DomainConfig, "transfer_factor")``.
       rows: rows the buffer holds (per device).
       scale: rows per unit of the knob (``rows == ceil(knob * scale)``); 1 for integer knobs.
     """
 
-    knob: str
+    knob: Knob
     rows: int
     scale: float = 1.0
 
-    def suggest(self, needed: int) -> float | int:
-        """Smallest knob value (2 decimals for factors) whose capacity holds ``needed`` rows."""
+    def suggest(self, needed: int, margin: float = 1.0) -> float | int:
+        """Smallest knob value (2 decimals for factors) whose capacity holds ``needed``
+        rows times ``margin``."""
+        needed = math.ceil(needed * margin)
         if self.scale == 1.0:
             return int(needed)
         value = math.ceil(needed / self.scale * 100) / 100
@@ -43,29 +53,27 @@ class Limit:
         return value
 
 
-def with_setting(config, knob: str, value):
-    """``config`` (a frozen config dataclass) with ``knob`` (``"Class.field"``) set to
-    ``value``, where ``Class`` is ``config``'s own class or that of one of its fields."""
-    owner, field = knob.split(".")
-    if type(config).__name__ == owner:
-        return dataclasses.replace(config, **{field: value})
+def with_setting(config, knob: Knob, value):
+    """``config`` (a frozen dataclass) with ``knob`` set to ``value``: on ``config`` itself
+    when it is of the knob's class, else on its first field of that class."""
+    if type(config) is knob.owner:
+        return dataclasses.replace(config, **{knob.field: value})
     for f in dataclasses.fields(config):
         inner = getattr(config, f.name)
-        if type(inner).__name__ == owner:
-            inner = dataclasses.replace(inner, **{field: value})
-            return dataclasses.replace(config, **{f.name: inner})
-    raise ValueError(f"{type(config).__name__} holds no {owner}")
+        if type(inner) is knob.owner:
+            return dataclasses.replace(config, **{f.name: with_setting(inner, knob, value)})
+    raise ValueError(f"{type(config).__name__} holds no {knob.owner.__name__}")
 
 
-def spell_config(config, keep: str = "") -> str:
+def spell_config(config, keep: Knob | None = None) -> str:
     """``Class(field=value, ...)`` with the fields that differ from the defaults (and the
-    knob ``keep``, ``"Class.field"``, in any case), nested configs spelled alike: an
-    expression that rebuilds ``config``."""
+    knob ``keep`` in any case), nested configs spelled alike: an expression that rebuilds
+    ``config``."""
     default = type(config)()
     parts = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        kept = f"{type(config).__name__}.{f.name}" == keep
+        kept = keep is not None and type(config) is keep.owner and f.name == keep.field
         if value == getattr(default, f.name) and not kept:
             continue
         nested = dataclasses.is_dataclass(value) and not isinstance(value, type)
@@ -73,12 +81,77 @@ def spell_config(config, keep: str = "") -> str:
     return f"{type(config).__name__}({', '.join(parts)})"
 
 
+class FailureKind(enum.Enum):
+    """What went wrong, with what to do about it."""
+
+    NONFINITE = "positions or masses that are NaN, inf or unusable were excluded"
+    OVERFLOW = "a fixed-size buffer was too small"
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The first failure recorded in a :class:`Status` (host-side, concrete numbers).
+
+    Attributes:
+      kind: a :class:`FailureKind`.
+      count: excluded particles (NONFINITE), or rows the buffer needed per device (OVERFLOW).
+      buffer: the buffer's name (OVERFLOW), else None.
+      limit: its :class:`Limit` (OVERFLOW), else None.
+      needed: the rows to provide: the largest need among buffers sharing the knob.
+      last: whether this was the last buffer of the pipeline (later ones saw truncated data).
+    """
+
+    kind: FailureKind
+    count: int
+    buffer: str | None = None
+    limit: Limit | None = None
+    needed: int = 0
+    last: bool = True
+
+    def grown(self, config, margin: float = 1.0):
+        """``config`` with the overflowing knob set to a value that fits."""
+        return with_setting(config, self.limit.knob, self.limit.suggest(self.needed, margin))
+
+    def message(self, config=None, argument: str = "{}") -> str:
+        """The error message. With the caller's ``config`` (e.g. the ``FoFConfig`` it ran
+        with), the suggestion is that whole config with the one knob changed, so earlier
+        fixes are kept; without it, the knob alone. ``argument`` formats the setting as the
+        caller's argument, e.g. ``"config={}"``."""
+        if self.kind is FailureKind.NONFINITE:
+            return (f"jaxpm_halos: {self.count} particle positions (or masses) are NaN, inf or "
+                    "unusable; they were excluded. Clean the input (or mask those particles) "
+                    "and rerun.")
+        knob = self.limit.knob
+        if config is None:
+            setting = f"{knob.owner.__name__}({knob.field}={self.limit.suggest(self.needed)!r})"
+        else:
+            setting = spell_config(self.grown(config), keep=knob)
+        text = (f"jaxpm_halos: buffer '{self.buffer}' overflowed: {self.count} rows were needed "
+                f"per device but {knob} gives {self.limit.rows}. Rerun with "
+                f"{argument.format(setting)}.")
+        if not self.last:
+            text += (" Buffers after this one saw truncated data; if one of them overflows "
+                     "next, its error will say so.")
+        return text
+
+    def error(self, config=None, argument: str = "{}") -> Exception:
+        kind = InvalidInputError if self.kind is FailureKind.NONFINITE else CapacityError
+        error = kind(self.message(config, argument))
+        error.failure = self
+        return error
+
+
 class CapacityError(RuntimeError):
-    """A fixed-size buffer was too small. The message names the knob and a value that fits."""
+    """A fixed-size buffer was too small. The message names the knob and a value that fits;
+    ``error.failure`` (a :class:`Failure`) holds the same in fields."""
+
+    failure: Failure | None = None
 
 
 class InvalidInputError(ValueError):
     """The input holds non-finite positions or is otherwise unusable."""
+
+    failure: Failure | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -88,7 +161,8 @@ class Status:
 
     ``needed`` maps a buffer name to an int32 scalar; ``limits`` (static) maps the same names
     to their :class:`Limit`, in pipeline order. ``nonfinite`` counts particles whose position
-    was NaN or inf: they were excluded from every result.
+    was NaN or inf: they were excluded from every result. A status covers every buffer its
+    result depends on, the shared decomposition included.
     """
 
     needed: Mapping[str, jax.Array]
@@ -104,62 +178,91 @@ class Status:
         return good
 
     def merge(self, other: "Status") -> "Status":
+        """Both statuses' buffers (``self``'s first) and the larger exclusion count."""
         needed = dict(self.needed)
         needed.update(other.needed)
-        return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite),
-                      self.limits + other.limits)
+        limits = self.limits + tuple(item for item in other.limits if item[0] not in self.needed)
+        return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite), limits)
 
-    def message(self, config=None, argument: str = "{}") -> str | None:
-        """Host-side: the error message for the first failure, or None when all is well.
-
-        With the caller's ``config`` (e.g. the ``FoFConfig`` it ran with), the suggested
-        setting is that whole config with the one knob changed, so it keeps every earlier
-        fix: ``FoFConfig(domain=DomainConfig(ghost_factor=0.5, image_factor=0.6))``.
-        Without it, the knob alone: ``DomainConfig(image_factor=0.6)``. ``argument``
-        formats the setting as the caller's argument, e.g. ``"config={}"``.
-        """
+    def failure(self) -> Failure | None:
+        """Host-side: the first failure, or None when all is well."""
         nonfinite = int(np.max(np.asarray(self.nonfinite)))
         if nonfinite:
-            return (f"jaxpm_halos: {nonfinite} particle positions are NaN or inf; they were "
-                    "excluded. Clean the input (or mask those particles) and rerun.")
+            return Failure(FailureKind.NONFINITE, nonfinite)
         needs = {name: int(np.max(np.asarray(self.needed[name]))) for name, _ in self.limits}
         for position, (name, limit) in enumerate(self.limits):
             if needs[name] <= limit.rows:
                 continue
             # Buffers sharing a knob are resized together.
             needed = max(needs[n] for n, other in self.limits if other.knob == limit.knob)
-            value = limit.suggest(needed)
-            if config is None:
-                owner, field = limit.knob.split(".")
-                setting = f"{owner}({field}={value})"
-            else:
-                setting = spell_config(with_setting(config, limit.knob, value), keep=limit.knob)
-            text = (f"jaxpm_halos: buffer '{name}' overflowed: {needs[name]} rows were needed per "
-                    f"device but {limit.knob} gives {limit.rows}. Rerun with "
-                    f"{argument.format(setting)}.")
-            if position + 1 < len(self.limits):
-                text += (" Buffers after this one saw truncated data; if one of them overflows "
-                         "next, its error will say so.")
-            return text
+            return Failure(FailureKind.OVERFLOW, needs[name], name, limit, needed,
+                           last=position + 1 == len(self.limits))
         return None
+
+    def message(self, config=None, argument: str = "{}") -> str | None:
+        """Host-side: the error message for the first failure (see :meth:`Failure.message`),
+        or None when all is well."""
+        failure = self.failure()
+        return None if failure is None else failure.message(config, argument)
 
     def check(self, config=None, argument: str = "{}") -> None:
         """Host-side: raise :class:`CapacityError` / :class:`InvalidInputError` on failure
-        (``config`` and ``argument`` as in :meth:`message`)."""
-        text = self.message(config, argument)
-        if text is None:
-            return
-        if "NaN or inf" in text:
-            raise InvalidInputError(text)
-        raise CapacityError(text)
+        (``config`` and ``argument`` as in :meth:`Failure.message`)."""
+        failure = self.failure()
+        if failure is not None:
+            raise failure.error(config, argument)
+
+    def error_if(self, x):
+        """``x``, passed through a check that raises if this status failed; usable inside
+        ``jit`` on any mesh.
+
+        The check runs after ``x`` is computed and before anything that uses the returned
+        value, on every device at once, so a failure surfaces as an ``XlaRuntimeError``
+        carrying this status's message and no device is left waiting in a collective.
+        Use the returned value: ``labels = cat.status.error_if(labels)``.
+        """
+        x, status = lax.optimization_barrier((x, self))
+        token = _on_every_device(status, _raise_on_failure(status.limits))
+        x, _ = lax.optimization_barrier((x, token))
+        return x
 
     def raise_if_failed(self) -> None:
-        """Opt-in runtime error usable inside ``jit``: raises (via a host callback) on failure."""
+        """Runtime check usable inside ``jit``: like :meth:`error_if`, without data to
+        thread. Prefer :meth:`error_if`, which also orders the check before later work."""
+        self.error_if(self.nonfinite)
 
-        def _raise(needed, nonfinite):
-            Status(needed, nonfinite, self.limits).check()
 
-        jax.debug.callback(_raise, dict(self.needed), self.nonfinite)
+def _raise_on_failure(limits):
+    def check(needed, nonfinite):
+        Status(needed, nonfinite, limits).check()
+
+    return check
+
+
+def _on_every_device(status: Status, check):
+    """Run the host ``check(needed, nonfinite)`` on every device of the status's mesh (the
+    status is replicated), returning a token that depends on it. A callback on one device
+    only would fail there while the others wait in their next collective."""
+    leaves = (dict(status.needed), status.nonfinite)
+
+    def local(needed, nonfinite):
+        jax.debug.callback(check, needed, nonfinite)
+        return jnp.zeros((1,), jnp.int32)
+
+    mesh = _mesh_of(status.nonfinite)
+    if mesh is None:
+        return local(*leaves)
+    axes = tuple(mesh.axis_names)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P()), out_specs=P(axes),
+                         check_vma=False)(*leaves)
+
+
+def _mesh_of(x):
+    """The (abstract) mesh a traced value lives on, or None for one device or outside jit."""
+    if not isinstance(x, jax.core.Tracer):
+        return None
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    return mesh if mesh is not None and mesh.size > 1 else None
 
 
 def is_traced(*trees) -> bool:

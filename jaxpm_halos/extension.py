@@ -37,19 +37,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ._config import FoFConfig, KNNConfig
-from ._domain import (Decomposition, decompose, domain_status, pmax_all, return_trip,
-                      with_ghosts)
-from ._fof import fof_on_decomposition, ghost_width as fof_ghost_width
-from ._knn import density_from, ghost_width as knn_ghost_width, knn_on_decomposition
-from ._frontend import local_fields, prepare, program_cache
+from ._config import DomainConfig, FoFConfig, KNNConfig
+from ._domain import Decomposition
+from ._fof import fof_step, ghost_width as fof_ghost_width
+from ._frontend import local_fields, particles_of, prepare, program_cache
 from ._geometry import grid_to_box
-from ._layout import Pencils, width_fraction
+from ._knn import density_from, ghost_width as knn_ghost_width
+from ._knn_api import knn_on_plan
+from ._layout import Pencils
 from ._particles import Particles
-from ._status import Limit, Status, is_traced
+from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
+from ._retry import run_growing
+from ._status import Status, is_traced, spell_config
 from . import units
-
-_KINDS = ("particle", "device", "replicated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,21 +61,30 @@ class Snapshot:
         positions in Mpc/h (box units), velocities in km/s, masses in Msun/h when the
         :class:`InSitu` knows ``omega_m`` (else 1), lattice ids.
       decomposition: the shared :class:`~jaxpm_halos._domain.Decomposition` (owned rows
-        plus ghosts within ``width``).
-      pencils: the static pencil decomposition (mesh axis names, sizes, box).
+        plus ghosts within ``plan.width``).
+      plan: the decomposition's buffer sizes (:class:`~jaxpm_halos._pipeline.Plan`:
+        ``pencils``, ``n0`` mean particles per device, ghost ``width``).
       a: the scale factor (traced scalar).
-      width: the ghost layer width of the decomposition.
-      n0: mean particles per device.
       insitu: the :class:`InSitu` settings.
     """
 
     particles: Particles
     decomposition: Decomposition
-    pencils: Pencils
+    plan: Plan
     a: jax.Array
-    width: float
-    n0: int
     insitu: "InSitu"
+
+    @property
+    def pencils(self) -> Pencils:
+        return self.plan.pencils
+
+    @property
+    def width(self) -> float:
+        return self.plan.width
+
+    @property
+    def n0(self) -> int:
+        return self.plan.n0
 
     @property
     def valid(self):
@@ -135,29 +144,8 @@ def _fof_analysis(snap: Snapshot):
     """FoF labels (lattice index of each group's first particle) and the catalogue
     (positions Mpc/h, velocities km/s, masses Msun/h or particle counts)."""
     insitu = snap.insitu
-    pencils, decomposition, width = snap.pencils, snap.decomposition, snap.width
-    own = _fof_width(insitu, pencils)
-    ghost_status = None
-    if width > own * (1 + 1e-6):
-        # A wider layer (kNN's) would only add rows for FoF to sort and scan: FoF took
-        # 0.79 s on kNN's layer against 0.36 s on its own (64^3, 8 devices).
-        rows = _ghost_rows(insitu, pencils, snap.n0, own)
-        shared = decomposition
-        decomposition = with_ghosts(pencils, decomposition.migrated, own, rows)
-        width = own
-        # The shared layer rides along so that an overflow here suggests a ghost_factor
-        # that fits both buffers: setting it sizes them alike.
-        needs = {"fof ghosts": decomposition.need_ghosts, "shared ghosts": shared.need_ghosts}
-        knob = "DomainConfig.ghost_factor"
-        limits = (("fof ghosts", Limit(knob, rows, snap.n0)),
-                  ("shared ghosts", Limit(knob, _ghost_rows(insitu, pencils, snap.n0,
-                                                            snap.width), snap.n0)))
-        ghost_status = Status(pmax_all(pencils, needs), jnp.int32(0), limits)
-    labels, catalogue = fof_on_decomposition(pencils, decomposition, insitu.linking_length,
-                                             width, insitu.min_members, insitu.fof, snap.n0)
-    if ghost_status is not None:
-        catalogue = dataclasses.replace(catalogue, status=catalogue.status.merge(ghost_status))
-    return {"labels": labels, "catalogue": dataclasses.replace(catalogue, num=catalogue.num[None])}
+    step = fof_step(snap.plan, insitu.linking_length, insitu.min_members, insitu.fof)
+    return step.run(snap.decomposition)
 
 
 def _knn_width(insitu: "InSitu", pencils: Pencils) -> float:
@@ -172,9 +160,8 @@ def _knn_density_analysis(snap: Snapshot):
     ``rho / rho_mean - 1``. Exact: spheres that leave the ghost layer are completed across
     devices."""
     insitu = snap.insitu
-    result, status = knn_on_decomposition(snap.pencils, snap.decomposition, insitu.k,
-                                          _knn_width(insitu, snap.pencils), config=insitu.knn,
-                                          n0=snap.n0)
+    plan = snap.plan.with_width(_knn_width(insitu, snap.pencils))
+    result, status = knn_on_plan(plan, snap.decomposition, insitu.k, insitu.knn)
     rho = density_from(result["dist"], result["neighbour_mass"], insitu.k)
     if insitu.overdensity:
         mean = insitu.nc ** 3 * snap.particles.mass[0] / insitu.box_size ** 3
@@ -200,7 +187,9 @@ class InSitu:
       overdensity: ``knn_density`` returns ``rho / rho_mean - 1`` instead of rho.
       save_state: also save the state ``y`` itself at each snapshot.
       mesh: the device mesh; default: the state's (abstract) mesh.
-      fof, knn: buffer configurations.
+      domain: the buffers of the decomposition shared by every analysis (FoF's z images
+        and kNN's included).
+      fof, knn: the analyses' own buffers (their ``domain`` fields are not used in situ).
     """
 
     box_size: float
@@ -212,6 +201,7 @@ class InSitu:
     overdensity: bool = False
     save_state: bool = False
     mesh: Any = None
+    domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
     fof: FoFConfig = dataclasses.field(default_factory=FoFConfig)
     knn: KNNConfig = dataclasses.field(default_factory=KNNConfig)
     nc: int | None = dataclasses.field(default=None, repr=False)
@@ -226,6 +216,13 @@ class InSitu:
             raise ValueError(f"b must be positive, got {self.b}")
         if int(self.min_members) < 1:
             raise ValueError(f"min_members must be at least 1, got {self.min_members}")
+        for attr in ("fof", "knn"):
+            inner = getattr(self, attr).domain
+            if inner != DomainConfig():
+                # Silently ignoring it would undo a fix pasted from an older message.
+                raise ValueError(f"InSitu sizes its shared decomposition with its own "
+                                 f"domain=; pass domain={spell_config(inner)} instead of "
+                                 f"{attr}=...(domain=...)")
 
     @property
     def linking_length(self) -> float:
@@ -237,24 +234,30 @@ class InSitu:
             raise ValueError("the grid size is known once a state is given")
         return self.nc
 
-    def __call__(self, y, a=1.0):
+    def __call__(self, y, a=1.0, *, grow: bool = True):
         """Run the analyses on a state ``y`` of shape ``(2, nc, nc, nc, 3)`` at scale factor
         ``a``. Returns ``{name: outputs, "a": a, "domain": Status[, "state": y]}``.
 
-        Works inside ``jit`` (e.g. in a diffrax ``SaveAt`` function) and outside, where a
-        buffer overflow raises an error naming the knob and a value that fits.
+        Works inside ``jit`` (e.g. in a diffrax ``SaveAt`` function), where the statuses
+        report overflows (:func:`check`), and outside, where a buffer that overflowed is
+        grown and the analyses run again (``grow=False``: raise an error naming a setting
+        that fits).
         """
         if getattr(y, "ndim", None) != 5 or y.shape[0] != 2 or y.shape[-1] != 3 \
                 or not y.shape[1] == y.shape[2] == y.shape[3]:
             raise ValueError(f"expected a JaxPM state of shape (2, nc, nc, nc, 3), got "
                              f"{getattr(y, 'shape', None)}")
         bound = dataclasses.replace(self, nc=int(y.shape[1]))
-        out = _compiled(bound, _state_layout(bound, y), jnp.dtype(y.dtype))(
-            y, jnp.asarray(a, y.dtype))
+        problem = _state_layout(bound, y)
+        a = jnp.asarray(a, y.dtype)
+        run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype))(y, a)
+        if is_traced(y, a):
+            out = run(bound)
+        else:
+            out, _ = run_growing(run, bound, _merged_status, grow=grow, error=_error,
+                                 spell=_spelling)
         if bound.save_state:
             out["state"] = y
-        if not is_traced(y, a):
-            check(out, bound)
         return out
 
     def saveat(self, ts, *, t0: float | None = None, t1: float | None = None):
@@ -277,27 +280,43 @@ class InSitu:
 def check(outputs, insitu: "InSitu | None" = None) -> None:
     """Host-side: raise if any buffer of an in-situ run overflowed, at any snapshot.
 
-    Given the whole output of an :class:`InSitu` call, the error spells the setting as an
-    ``InSitu`` argument: the shared decomposition and FoF are sized by ``InSitu.fof``,
-    kNN by ``InSitu.knn``. Given the ``insitu`` that ran, the setting is its whole config
-    with the one knob changed (earlier fixes kept); without it, the default config with
-    that knob.
+    The error spells the setting as the ``InSitu`` argument holding the knob: the shared
+    decomposition is sized by ``InSitu.domain``, FoF by ``InSitu.fof``, kNN by
+    ``InSitu.knn``. Given the ``insitu`` that ran, the setting is that whole config with
+    the one knob changed (earlier fixes kept); without it, the default config with that
+    knob. ``outputs`` may be the whole output or any part of it.
     """
-    parts = outputs.items() if isinstance(outputs, Mapping) else [(None, outputs)]
-    for name, part in parts:
-        attr = _CONFIG_OF.get(name)
-        if attr is None:
-            config, argument = None, "{}"
-        else:
-            config = getattr(insitu, attr) if insitu is not None else _DEFAULT_CONFIG[attr]()
-            argument = f"InSitu({attr}={{}})"
-        for status in jax.tree.leaves(part, is_leaf=lambda x: isinstance(x, Status)):
-            if isinstance(status, Status):
-                status.check(config, argument)
+    failure = _merged_status(outputs).failure()
+    if failure is not None:
+        raise _error(failure, insitu)
 
 
-_CONFIG_OF = {"domain": "fof", "fof": "fof", "knn_density": "knn"}
-_DEFAULT_CONFIG = {"fof": FoFConfig, "knn": KNNConfig}
+_CONFIG_FIELD = {DomainConfig: "domain", FoFConfig: "fof", KNNConfig: "knn"}
+
+
+def _merged_status(outputs) -> Status:
+    """Every :class:`Status` in ``outputs`` as one (each buffer once, pipeline order)."""
+    statuses = [x for x in jax.tree.leaves(outputs, is_leaf=lambda x: isinstance(x, Status))
+                if isinstance(x, Status)]
+    merged = Status({}, jnp.int32(0), ())
+    for status in statuses:
+        merged = merged.merge(status)
+    return merged
+
+
+def _error(failure, insitu: "InSitu | None") -> Exception:
+    if failure.limit is None:
+        return failure.error()
+    attr = _CONFIG_FIELD[failure.limit.knob.owner]
+    config = getattr(insitu, attr) if insitu is not None else failure.limit.knob.owner()
+    return failure.error(config, f"InSitu({attr}={{}})")
+
+
+def _spelling(insitu: InSitu) -> str:
+    """The ``InSitu`` arguments of the configs that differ from the defaults."""
+    parts = [f"{attr}={spell_config(getattr(insitu, attr))}" for attr in _CONFIG_FIELD.values()
+             if getattr(insitu, attr) != type(getattr(insitu, attr))()]
+    return f"InSitu({', '.join(parts)})"
 
 
 def _state_layout(insitu: InSitu, y):
@@ -321,81 +340,31 @@ def _state_layout(insitu: InSitu, y):
 @program_cache(16)
 def _compiled(insitu: InSitu, problem, dtype):
     layout, pencils = problem.layout, problem.pencils
-    n0 = layout.local_size
     selected = [analysis(name) for name in insitu.analyses]
     width = max([a.width(insitu, pencils) for a in selected] + [0.0])
-    dom = insitu.fof.domain
-    transfer, capacity = dom.transfer_rows(n0, True), dom.capacity_rows(n0)
-    ghost = _ghost_rows(insitu, pencils, n0, width)
-    nc = insitu.nc
-    mass = units.particle_mass(insitu.omega_m, insitu.box_size, nc) if insitu.omega_m else 1.0
+    plan = plan_for(problem, insitu.domain, width)
+    nc, box = insitu.nc, insitu.box_size
+    mass = units.particle_mass(insitu.omega_m, box, nc) if insitu.omega_m else 1.0
 
     def device(state, a):
         disp, mom = state[0], state[1]
-        block = disp.shape[:-1]
-        fields, _ = local_fields(problem, grid_to_box(_grid_positions(disp, pencils, nc), nc,
-                                                      insitu.box_size))
-        fields["vel"] = units.momentum_to_velocity(mom.reshape(-1, 3), a, insitu.box_size, nc)
+        fields, block = local_fields(problem, grid_to_box(_grid_positions(disp, pencils, nc),
+                                                          nc, box))
+        fields["vel"] = units.momentum_to_velocity(mom.reshape(-1, 3), a, box, nc)
         fields["mass"] = jnp.full(fields["pos"].shape[0], mass, disp.dtype)
-        n = fields["pos"].shape[0]
-        decomposition = decompose(pencils, fields, jnp.ones(n, bool), width, transfer, capacity,
-                                  ghost)
-        migrated = decomposition.migrated
-        payload = migrated.payload
-        particles = Particles(payload["pos"], payload["id"], migrated.count, payload["vel"],
-                              payload["mass"], insitu.box_size)
-        snap = Snapshot(particles, decomposition, pencils, a, width, n0, insitu)
-        results = {a_.name: a_.run(snap) for a_ in selected}
-        flat, tree = jax.tree.flatten(results)
-        flat_kinds = jax.tree.leaves(_leaf_kinds(selected, results))
-        particle = [x for x, kind in zip(flat, flat_kinds) if kind == "particle"]
-        back = return_trip(pencils, particle, payload["origin"], migrated.count, n, transfer,
-                           capacity)
-        back = iter(x.reshape(block + x.shape[1:]) for x in back)
-        flat = [next(back) if kind == "particle" else x for x, kind in zip(flat, flat_kinds)]
-        domain = domain_status(pencils, decomposition, transfer, capacity, ghost, n0)
-        return {"a": a, "domain": domain, **jax.tree.unflatten(tree, flat)}
+
+        def step(an: Analysis) -> Step:
+            def run(dec):
+                return an.run(Snapshot(particles_of(dec.migrated, box), dec, plan, a, insitu))
+            return Step(run, an.outputs)
+
+        steps = {an.name: step(an) for an in selected}
+        valid = jnp.ones(fields["pos"].shape[0], bool)
+        outputs, kinds = on_device(plan, fields, valid, block, steps)
+        return {"a": a, **outputs}, {"a": "replicated", **kinds}
 
     state_spec = P(None, *layout.spec, None)
-    spec_of = {"particle": layout.spec, "device": layout.device_spec, "replicated": P()}
-    args = (jax.ShapeDtypeStruct((2,) + layout.shape + (3,), dtype), jax.ShapeDtypeStruct((), dtype))
-    # The output structure (catalogues, statuses, user pytrees) is known once traced.
-    shapes = jax.eval_shape(lambda y, a: layout.run(device, (y, a), (state_spec, P()), P()), *args)
-    kinds = _leaf_kinds(selected, shapes)
-    out_specs = {"a": P(), "domain": P(),
-                 **jax.tree.map(lambda kind: spec_of[kind], kinds)}
-    return jax.jit(lambda y, a: layout.run(device, (y, a), (state_spec, P()), out_specs))
-
-
-def _ghost_rows(insitu: InSitu, pencils: Pencils, n0: int, width: float) -> int:
-    return insitu.fof.domain.ghost_rows(n0, width_fraction(pencils, width))
-
-
-def _leaf_kinds(selected, results):
-    """One output kind per leaf: the analyses' declared kinds, except that every leaf of a
-    :class:`Status` is replicated (its needs are already maxima over devices)."""
-    is_status = lambda x: isinstance(x, Status)
-    kinds = {}
-    for a_ in selected:
-        result = results[a_.name]
-        declared = jax.tree.leaves(_expand(a_.outputs, result))
-        in_status = jax.tree.leaves(jax.tree.map(
-            lambda node: jax.tree.map(lambda _: True, node) if is_status(node) else False,
-            result, is_leaf=is_status))
-        kinds[a_.name] = jax.tree.unflatten(
-            jax.tree.structure(result),
-            ["replicated" if status else kind for kind, status in zip(declared, in_status)])
-    return kinds
-
-
-def _expand(kinds, result):
-    """Expand a prefix tree of output kinds to one kind per leaf of ``result``."""
-    expanded = jax.tree.map(lambda kind, sub: jax.tree.map(lambda _: kind, sub), kinds, result,
-                            is_leaf=lambda x: isinstance(x, str))
-    for kind in jax.tree.leaves(expanded):
-        if kind not in _KINDS:
-            raise ValueError(f"output kind must be one of {_KINDS}, got {kind!r}")
-    return expanded
+    return jax.jit(lambda y, a: run_sharded(layout, device, (y, a), (state_spec, P())))
 
 
 def _grid_positions(disp, pencils: Pencils, nc: int):

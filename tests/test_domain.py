@@ -8,8 +8,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos as jh
-from jaxpm_halos._domain import decompose, domain_status, return_trip
+from jaxpm_halos._domain import return_trip
 from jaxpm_halos._frontend import local_fields, prepare
+from jaxpm_halos._pipeline import plan_for
 from conftest import make_mesh
 
 BOX = 16.0
@@ -19,19 +20,16 @@ def _run(x, mesh, width, config=jh.DomainConfig(), box=BOX):
     """Migrate + ghosts + return trip of the particle ids; returns per-device arrays."""
     problem, args, specs = prepare(x, box, mesh=mesh)
     layout, pencils = problem.layout, problem.pencils
-    n0 = layout.local_size
-    grid = layout.grid
-    transfer, capacity = config.transfer_rows(n0, grid), config.capacity_rows(n0)
-    ghost = config.ghost_rows(n0, width / min(pencils.widths))
+    plan = plan_for(problem, config, width)
+    capacity = plan.capacity_rows
 
     def device(*blocks):
         fields, shape = local_fields(problem, *blocks)
         n = fields["pos"].shape[0]
-        dec = decompose(pencils, fields, jnp.ones(n, bool), width, transfer, capacity, ghost)
+        dec, status = plan.decompose(fields, jnp.ones(n, bool))
         mig = dec.migrated
         back = return_trip(pencils, mig.payload["id"], mig.payload["origin"], mig.count, n,
-                           transfer, capacity)
-        status = domain_status(pencils, dec, transfer, capacity, ghost, n0)
+                           plan.transfer_rows, capacity)
         ext = dec.ext
         return (ext.pos[None], ext.image[None], ext.id[None], back.reshape(shape),
                 fields["id"].reshape(shape), status)

@@ -341,31 +341,35 @@ def test_overflow_of_fofs_own_ghost_layer_names_a_setting_that_fits():
 
     overflow = r"buffer 'fof ghosts' overflowed"
     with pytest.raises(jaxpm_halos.CapacityError, match=overflow) as error:
-        InSitu(box_size=box)(y)
-    setting = re.search(r"Rerun with (InSitu\(fof=FoFConfig\(domain=DomainConfig\("
-                        r"ghost_factor=([0-9.]+)\)\)\))", str(error.value))
+        InSitu(box_size=box)(y, grow=False)
+    setting = re.search(r"Rerun with (InSitu\(domain=DomainConfig\("
+                        r"ghost_factor=([0-9.]+)\)\))", str(error.value))
     assert setting, str(error.value)
-    fitted = InSitu(box_size=box, fof=jaxpm_halos.FoFConfig(
-        domain=jaxpm_halos.DomainConfig(ghost_factor=float(setting.group(2)))))
-    out = fitted(y)  # raises if any buffer, FoF's or the shared one, still overflows
+    fitted = InSitu(box_size=box,
+                    domain=jaxpm_halos.DomainConfig(ghost_factor=float(setting.group(2))))
+    out = fitted(y, grow=False)  # raises if any buffer, FoF's or the shared one, overflows
     labels, _ = jaxpm_halos.fof(from_jaxpm(y, box_size=box), b=0.2, min_members=20,
-                                config=fitted.fof)
+                                config=jaxpm_halos.FoFConfig(domain=fitted.domain))
+    # By default the call grows the buffer itself, warns once, and gives the same result.
+    with pytest.warns(jaxpm_halos.GrowthWarning, match=r"InSitu\(domain=DomainConfig"):
+        grown = InSitu(box_size=box)(y)
+    np.testing.assert_array_equal(np.asarray(grown["fof"]["labels"]), np.asarray(labels))
     np.testing.assert_array_equal(np.asarray(out["fof"]["labels"]), np.asarray(labels))
     assert np.bincount(np.asarray(labels).ravel()).max() >= 300
 
 
 def test_check_with_the_insitu_spells_its_whole_config():
+    from jaxpm_halos._config import GHOSTS
     from jaxpm_halos._status import Limit, Status
 
     status = Status({"ghosts": jnp.int32(300)}, jnp.int32(0),
-                    (("ghosts", Limit("DomainConfig.ghost_factor", 100, 1000.0)),))
-    insitu = InSitu(box_size=64.0, fof=jaxpm_halos.FoFConfig(
-        max_halos=50, domain=jaxpm_halos.DomainConfig(image_factor=0.7)))
+                    (("ghosts", Limit(GHOSTS, 100, 1000.0)),))
+    insitu = InSitu(box_size=64.0, fof=jaxpm_halos.FoFConfig(max_halos=50),
+                    domain=jaxpm_halos.DomainConfig(image_factor=0.7))
     with pytest.raises(jaxpm_halos.CapacityError) as error:
         check({"domain": status}, insitu)
-    assert ("Rerun with InSitu(fof=FoFConfig(max_halos=50, domain=DomainConfig("
-            "ghost_factor=0.3, image_factor=0.7)))." in str(error.value))
+    assert ("Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3, image_factor=0.7))."
+            in str(error.value))
     with pytest.raises(jaxpm_halos.CapacityError) as error:  # without it: the knob alone
         check({"domain": status})
-    assert ("Rerun with InSitu(fof=FoFConfig(domain=DomainConfig(ghost_factor=0.3)))."
-            in str(error.value))
+    assert "Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3))." in str(error.value)

@@ -202,11 +202,20 @@ def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
 
     config = config_with(tiny[knob])
     with pytest.raises(jh.CapacityError, match=field) as info:
-        jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config)
+        jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config, grow=False)
+    assert info.value.failure.kind is jh.FailureKind.OVERFLOW
+    assert str(info.value.failure.limit.knob).endswith(field)
     value = re.search(rf"{field}=([0-9.]+)", str(info.value)).group(1)
     value = int(value) if knob == "max_halos" else float(value)
-    labels, cat = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config_with(value))
+    labels, cat = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config_with(value),
+                         grow=False)
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
+    # By default the call grows the buffer itself and warns once, naming a config that fits.
+    with pytest.warns(jh.GrowthWarning, match=field) as warned:
+        labels, cat = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config)
+    assert len(warned) == 1
+    np.testing.assert_array_equal(np.asarray(labels), want_labels)
+    assert bool(cat.status.ok)
 
 
 def test_suggestions_applied_as_written_keep_earlier_fixes(adversarial):
@@ -220,7 +229,8 @@ def test_suggestions_applied_as_written_keep_earlier_fixes(adversarial):
     fixed = []
     for _ in range(4):
         try:
-            labels, _ = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config)
+            labels, _ = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config,
+                               grow=False)
             break
         except jh.CapacityError as error:
             setting = re.search(r"Rerun with config=(FoFConfig\(.*?\))\.(?: |$)", str(error))

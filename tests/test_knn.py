@@ -380,7 +380,7 @@ def test_capacity_overflow_names_the_knob(clustered):
     mesh = make_mesh((2, 4))
     config = jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=1.0))
     with pytest.raises(jh.CapacityError, match="capacity_factor") as info:
-        jh.knn(_shard(mesh, clustered), BOX, 8, config=config)
+        jh.knn(_shard(mesh, clustered), BOX, 8, config=config, grow=False)
     value = float(re.search(r"capacity_factor=([0-9.]+)", str(info.value)).group(1))
     config = jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=value))
     dist, idx = jh.knn(_shard(mesh, clustered), BOX, 8, config=config)

@@ -1,0 +1,325 @@
+"""The public kNN calls: ``knn``, ``knn_density``, ``knn_local`` and ``knn_on_decomposition``.
+
+They are thin entry points over the per-device pipeline (:mod:`._pipeline`) and the
+search kernel (:func:`._knn.knn_device`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._config import KNNConfig
+from ._domain import Decomposition, psum_all
+from ._frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
+                        prepare, program_cache, row_masses, trim_padding)
+from ._geometry import wrap
+from ._knn import density_from, ghost_width, knn_device, neighbour_distances
+from ._layout import Pencils
+from ._particles import Particles
+from ._pipeline import Plan, Step, analyse, on_device, plan_for, run_sharded
+from ._retry import run_growing
+from ._status import is_traced
+
+int32 = jnp.int32
+
+
+class _Spec(NamedTuple):
+    """Static settings of one kNN computation."""
+
+    k: int
+    config: KNNConfig
+    output: str  # "neighbours", "density" or "reduce"
+    reduce_fn: Callable | None
+    overdensity: bool
+
+
+def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
+    """Per-row outputs from the neighbours, on the device."""
+    k, box = spec.k, plan.pencils.box_size
+    dist = neighbour_distances(qpos, nb, box)
+    if spec.output == "neighbours":
+        return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
+    if spec.output == "density":
+        rho = density_from(dist, nb.mass, k)
+        if spec.overdensity:
+            rho = rho / (total_mass / box ** 3) - 1
+        return {"rho": rho}
+    data = dict(data)
+    data["neighbour_mass"] = nb.mass
+    return {"value": spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)}
+
+
+def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None, queries=None):
+    """``(neighbours, status, total_mass)`` of the owned rows (or of ``queries``, migrated
+    query rows ``(pos, valid)``) on one decomposition."""
+    mig = decomposition.migrated
+    if mass is None:
+        mass = mig.payload["mass"]
+    ext_mass = decomposition.ghosts.forward(plan.pencils, mass)
+    nb, status = knn_device(plan, decomposition.ext, decomposition.ext.pos, ext_mass, spec.k,
+                            spec.config, queries=queries)
+    total_mass = None
+    if spec.overdensity:
+        total_mass = psum_all(plan.pencils, jnp.sum(jnp.where(mig.valid, mass, 0)))
+    return nb, status, total_mass
+
+
+def self_step(plan: Plan, spec: _Spec) -> Step:
+    """kNN of the particles themselves: per-particle values and the status."""
+
+    def run(decomposition):
+        nb, status, total_mass = _neighbours(plan, decomposition, spec)
+        payload = decomposition.migrated.payload
+        data = {key: payload[key] for key in ("pos", "id", "mass", "vel") if key in payload}
+        return {"values": _finish(plan, spec, nb, payload["pos"], data, total_mass),
+                "status": status}
+
+    return Step(run, {"values": "particle", "status": "replicated"})
+
+
+def query_step(plan: Plan, spec: _Spec, qpos, qvalid, qn0: int) -> Step:
+    """kNN at one device's query rows ``qpos`` (m, 3): the queries are migrated to their
+    pencils and their values come back to this device's rows (kind ``"device"``)."""
+    qplan = Plan(plan.pencils, spec.config.domain, qn0, 0.0, prefix="query ")
+    nq = qpos.shape[0]
+
+    def run(decomposition):
+        qfields = {"pos": wrap(qpos, plan.pencils.box_size),
+                   "id": plan.pencils.device_index() * nq + jnp.arange(nq, dtype=int32)}
+        qmig, qstatus = qplan.migrate(qfields, qvalid)
+        mine = qmig.payload["pos"]
+        nb, status, total_mass = _neighbours(plan, decomposition, spec,
+                                             queries=(mine, qmig.valid))
+        values = _finish(plan, spec, nb, mine, {"pos": mine}, total_mass)
+        return {"values": qplan.trip(values, qmig, nq), "status": qstatus.merge(status)}
+
+    return Step(run, {"values": "device", "status": "replicated"})
+
+
+@program_cache(32)
+def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
+    """Jitted pipeline; ``query_rows`` > 0 for query points (padded total)."""
+    layout = problem.layout
+    plan = plan_for(problem, spec.config.domain,
+                    ghost_width(spec.k, problem.total, problem.pencils, spec.config))
+    qn0 = query_rows // problem.pencils.num_devices
+    if query_rows:
+        in_specs = tuple(in_specs) + (layout.device_spec, layout.device_spec)
+
+    def device(*blocks):
+        blocks = list(blocks)
+        if query_rows:
+            qvalid, qpos = blocks.pop(), blocks.pop()
+            step = query_step(plan, spec, qpos, qvalid, qn0)
+        else:
+            step = self_step(plan, spec)
+        fields, shape = local_fields(problem, *blocks)
+        fields["mass"] = row_masses(problem, fields)
+        valid = local_valid(problem, fields["pos"].shape[0])
+        return on_device(plan, fields, valid, shape, {"knn": step})
+
+    return jax.jit(lambda *args: run_sharded(layout, device, args, in_specs)["knn"])
+
+
+def _check_k(k, total: int, self_mode: bool, least: int = 1) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    k = int(k)
+    if k < least:
+        raise ValueError(f"k must be at least 1, got {k}" if least == 1 else
+                         f"knn_density needs k >= {least} (the estimator uses k - 1), got {k}")
+    if self_mode and k >= total:
+        raise ValueError(f"k = {k} neighbours need at least k + 1 particles; there are {total}")
+    if not self_mode and k > total:
+        raise ValueError(f"k = {k} neighbours need at least k particles; there are {total}")
+    return k
+
+
+def _query_rows(query, devices: int):
+    """Flatten query points to (M, 3) and pad them to a multiple of the device count."""
+    if not hasattr(query, "shape"):
+        query = jnp.asarray(query)
+    if not jnp.issubdtype(query.dtype, jnp.floating):
+        query = jnp.asarray(query, jnp.float32)
+    if query.ndim < 1 or query.shape[-1] != 3:
+        raise ValueError(f"query points must have a trailing axis of size 3, got {query.shape}")
+    lead = tuple(query.shape[:-1])
+    flat = query.reshape(-1, 3)
+    m = flat.shape[0]
+    if m == 0:
+        raise ValueError("query holds no points")
+    pad = -m % devices
+    if pad:
+        flat = jnp.concatenate([flat, jnp.zeros((pad, 3), flat.dtype)])
+    return flat, lead, m
+
+
+def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overdensity,
+         with_status, grow):
+    problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
+    self_mode = query is None
+    k = _check_k(k, problem.total, self_mode, least=2 if output == "density" else 1)
+    query_rows, lead, m = 0, None, 0
+    if not self_mode:
+        flat, lead, m = _query_rows(query, problem.pencils.num_devices)
+        query_rows = flat.shape[0]
+        args = args + (flat.astype(args[0].dtype), jnp.arange(query_rows) < m)
+
+    def run(cfg):
+        spec = _Spec(k, cfg, output, reduce_fn, bool(overdensity))
+        return _knn_program(problem, in_specs, spec, query_rows)(*args)
+
+    if is_traced(args):
+        out = run(config)
+    else:
+        out, _ = run_growing(run, config, lambda o: o["status"], grow=grow, stacklevel=4)
+    values, status = out["values"], out["status"]
+    key = {"neighbours": None, "density": "rho", "reduce": "value"}[output]
+    result = (values["dist"], values["idx"]) if key is None else values[key]
+    if self_mode:
+        result = trim_padding(problem, result)
+    else:
+        result = jax.tree.map(lambda a: a[:m].reshape(lead + a.shape[1:]), result)
+    return (result, status) if with_status else result
+
+
+def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callable | None = None,
+        config: KNNConfig = KNNConfig(), with_status: bool = False, grow: bool = True):
+    """Exact k nearest neighbours in a periodic box, distributed over the input's mesh.
+
+    Args:
+      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
+        then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
+        ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
+        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
+      box_size: periodic box side (taken from Particles).
+      k: number of neighbours, ``1 <= k < N`` (``k <= N`` with ``query``).
+      mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
+      query: optional points ``(..., 3)``, sharded along axis 0 or not. Then the result is
+        for these points, with no particle excluded, in the query's leading shape.
+      reduce: optional ``fn(dist, idx, data) -> pytree`` run on each device while the
+        particles are in their domains, on ``(n, k)`` distances and ids of ``n`` rows and
+        ``data``, a dict of ``(n, ...)`` arrays: ``pos``, ``id``, ``mass`` (and ``vel``) of
+        the particles (``pos`` only for query points) and ``neighbour_mass`` ``(n, k)``. Its
+        per-row outputs (leading axis ``n``) are returned instead of ``(dist, idx)``; rows
+        of non-finite positions carry NaN (floats) or -1 (integers).
+      config: :class:`~jaxpm_halos.KNNConfig`.
+      with_status: also return the :class:`~jaxpm_halos.Status`.
+      grow: outside ``jit``, grow a buffer that overflowed and run again (see
+        :func:`~jaxpm_halos.fof`); ``False`` raises :class:`~jaxpm_halos.CapacityError`.
+
+    Returns:
+      ``(dist, idx)``: ``(..., k)`` distances (ascending, periodic minimum image) to the k
+      nearest *other* particles and their global ids (input index, or lattice index for
+      JaxPM grids), in the input's leading shape and sharding; or the ``reduce`` output.
+      Distances are bitwise identical on every mesh; among neighbours at exactly equal
+      distances the lower id comes first. ``jax.grad`` of a function of ``dist`` flows to
+      the positions with the neighbour selection held fixed.
+
+    Outside ``jit``, a non-finite position raises :class:`~jaxpm_halos.InvalidInputError`;
+    inside ``jit``, rows that could not be completed are NaN (ids -1) and
+    ``with_status=True`` gives the status to check (or to thread with ``status.error_if``).
+    """
+    output = "neighbours" if reduce is None else "reduce"
+    return _run(pos, box_size, k, None, mesh, query, config, output, reduce, False, with_status,
+                grow)
+
+
+def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overdensity: bool = False,
+                query=None, config: KNNConfig = KNNConfig(), with_status: bool = False,
+                grow: bool = True):
+    """kNN density ``rho = (k - 1) m / (4/3 pi r_k^3)`` at each particle (or query point).
+
+    ``r_k`` is the distance to the k-th nearest other particle (nearest particle for query
+    points). With per-particle masses, ``(k - 1) m`` is the mass of the k - 1 nearest
+    neighbours. ``overdensity=True`` returns ``rho / rho_mean - 1`` with ``rho_mean`` the
+    total mass over ``box_size**3``. Needs ``k >= 2``. Other arguments as :func:`knn`.
+    """
+    return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
+                with_status, grow)
+
+
+def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | None = None,
+              query=None, query_valid=None, reduce: Callable | None = None,
+              config: KNNConfig = KNNConfig(), n0: int | None = None):
+    """kNN on one device's particles, for use inside the caller's own ``shard_map``.
+
+    Args:
+      particles: this device's padded :class:`~jaxpm_halos.Particles` (rows, valid first);
+        ids must be global and unique.
+      k: number of neighbours.
+      axes: the caller's mesh axis names that cut the box along x and y (None for an axis
+        that is not cut). Device ``(i, j)`` of those axes owns pencil ``(i, j)``.
+      total: the global number of particles (sets the default ghost width; default: the
+        rows of ``particles`` times the number of devices).
+      query: optional ``(m, 3)`` query points held by this device (any positions), with
+        ``query_valid`` (m,) marking the real ones (default all).
+      reduce: optional ``fn(dist, idx, data)`` as in :func:`knn`.
+      n0: the mean particles per device that the capacity factors refer to (default: the
+        number of rows of ``particles``).
+
+    Returns:
+      Without ``query``: ``(domain, result, status)``: the particles this device owns after
+      migration (padded, valid first), the result for them in that order (``(dist, idx)``
+      or the ``reduce`` output), and the :class:`~jaxpm_halos.Status`. With ``query``:
+      ``(result, status)`` for the query rows in the caller's order. No error is raised
+      inside ``shard_map``: check ``status.ok`` (rows that could not be completed are NaN).
+      The status covers the decomposition as well as the search.
+    """
+    pencils = Pencils.from_axes(axes, particles.box_size)
+    n0 = particles.size if n0 is None else int(n0)
+    total = n0 * pencils.num_devices if total is None else int(total)
+    k = _check_k(k, total, query is None)
+    spec = _Spec(k, config, "neighbours" if reduce is None else "reduce", reduce, False)
+    plan = Plan(pencils, config.domain, n0, ghost_width(k, total, pencils, config))
+    if query is None:
+        step = self_step(plan, spec)
+    else:
+        query = jnp.asarray(query).reshape(-1, 3).astype(particles.pos.dtype)
+        qvalid = (jnp.ones(query.shape[0], bool) if query_valid is None
+                  else jnp.asarray(query_valid, bool).reshape(-1))
+        step = query_step(plan, spec, query, qvalid, query.shape[0])
+    decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
+    outputs, _ = analyse(decomposition, domain, {"knn": step})
+    values, status = outputs["knn"]["values"], outputs["knn"]["status"]
+    result = (values["dist"], values["idx"]) if reduce is None else values["value"]
+    if query is not None:
+        return result, status
+    return particles_of(decomposition.migrated, particles.box_size), result, status
+
+
+def knn_on_plan(plan: Plan, decomposition: Decomposition, k: int, config: KNNConfig, mass=None):
+    """kNN of a decomposition's owned rows, ghost layer ``plan.width``; see
+    :func:`knn_on_decomposition`."""
+    spec = _Spec(int(k), config, "neighbours", None, False)
+    nb, status, _ = _neighbours(plan, decomposition, spec, mass=mass)
+    dist = neighbour_distances(decomposition.migrated.payload["pos"], nb, plan.pencils.box_size)
+    result = {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1),
+              "neighbour_mass": nb.mass, "ok": nb.ok}
+    return result, status
+
+
+def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int, width: float,
+                         *, mass=None, config: KNNConfig = KNNConfig(), n0: int):
+    """kNN of the owned particles of a shared :class:`~._domain.Decomposition`.
+
+    The decomposition's ghost layer must be at least ``width`` wide, with ``width`` at most
+    the layer it was built with (use :func:`~._knn.ghost_width` for the default). ``mass``
+    gives per-owned-row masses (default: the migrated ``mass`` field).
+
+    Returns ``(result, status)``: ``result`` holds, per owned row in the decomposition's
+    order, ``dist`` (rows, k) (differentiable, NaN in padding), ``idx`` (global ids, -1 in
+    padding), ``neighbour_mass`` (rows, k) and ``ok`` (rows,). ``status`` covers the
+    search only (the decomposition's buffers are the caller's).
+    """
+    mig = decomposition.migrated
+    if mass is None:
+        mass = mig.payload.get("mass", jnp.ones(mig.payload["id"].shape, decomposition.ext.pos.dtype))
+    mass = jnp.broadcast_to(jnp.asarray(mass, decomposition.ext.pos.dtype),
+                            mig.payload["id"].shape)
+    plan = Plan(pencils, config.domain, int(n0), float(width))
+    return knn_on_plan(plan, decomposition, k, config, mass)
