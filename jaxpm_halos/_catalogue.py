@@ -6,7 +6,8 @@ groups that are complete on the device and too small are dropped there; all othe
 travel to the group's home device, ``label % n_devices``, where they are combined: the
 partial row that holds the group's own smallest-id particle supplies the common anchor,
 and the others are aligned to it by minimum image. Groups are assumed smaller than half
-the box, as the periodic centre of mass requires.
+the box, as the periodic centre of mass requires; a group that reaches half the box or
+more along any axis (a percolating one, typically) is flagged ``percolates``.
 
 Anchors are held out of autodiff, so the centre of mass and mean velocity are exact
 weighted means whose gradients with respect to positions and velocities are ``m_i / M``
@@ -49,6 +50,10 @@ class Catalogue:
       vel: (…, 3) mass-weighted mean velocity (units of the input velocities), or None.
       vel_disp: 1D velocity dispersion ``sqrt(<|v - vmean|^2> / 3)``, or None.
       radius: rms distance of the members from the centre of mass.
+      percolates: the members span at least half the box along some axis (measured as the
+        spread of their minimum-image offsets from the group's first particle). Such a
+        group has no well-defined periodic centre: its ``pos`` and ``radius`` are then the
+        mass-weighted mean and rms of those offsets, not a physical centre and size.
       num: valid rows per device.
       status: buffer needs of the whole computation (see :class:`~jaxpm_halos.Status`).
     """
@@ -60,6 +65,7 @@ class Catalogue:
     vel: jax.Array | None
     vel_disp: jax.Array | None
     radius: jax.Array
+    percolates: jax.Array
     num: jax.Array
     status: Status
 
@@ -69,7 +75,7 @@ class Catalogue:
         rows = np.asarray(self.id).shape[0] // num.shape[0]
         keep = (np.arange(num.shape[0] * rows) % rows) < np.repeat(num, rows)
         fields = {f: np.asarray(getattr(self, f))[keep] for f in
-                  ("id", "count", "mass", "pos", "vel", "vel_disp", "radius")
+                  ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates")
                   if getattr(self, f) is not None}
         order = np.argsort(fields["id"], kind="stable")
         return {k: v[order] for k, v in fields.items()}
@@ -98,8 +104,14 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
         jax.lax.stop_gradient(pos), mode="drop")
     rel = jnp.where(owned[:, None], periodic_delta(pos, anchor[group], box), 0)
     m = jnp.where(owned, mass, 0).astype(dtype)
+    # The members' spread along each axis, to flag groups that reach half the box.
+    spread = jax.lax.stop_gradient(rel)
     sums = {"count": members, "mass": seg_sum(m), "s": seg_sum(m[:, None] * rel),
-            "q": seg_sum(m * jnp.sum(rel * rel, 1))}
+            "q": seg_sum(m * jnp.sum(rel * rel, 1)),
+            "lo": jax.ops.segment_min(jnp.where(owned[:, None], spread, jnp.inf), group,
+                                      num_segments=segments),
+            "hi": jax.ops.segment_max(jnp.where(owned[:, None], spread, -jnp.inf), group,
+                                      num_segments=segments)}
     if vel is not None:
         v = jnp.where(owned[:, None], vel, 0)
         sums["v"] = seg_sum(m[:, None] * v)
@@ -142,9 +154,13 @@ def _combine(rows, n, box, min_members, halo_rows):
     com = total(mass_row[:, None] * delta + rows["s"]) / safe[:, None]
     off = delta - com[jnp.minimum(seg, halo_rows - 1)]
     q = total(rows["q"] + 2 * jnp.sum(off * rows["s"], 1) + mass_row * jnp.sum(off * off, 1))
+    # (H, 3) extent along each axis, with every piece placed at its anchor's offset.
+    extent = (jax.ops.segment_max(delta + rows["hi"], seg, num_segments=halo_rows)
+              - jax.ops.segment_min(delta + rows["lo"], seg, num_segments=halo_rows))
     fields = {"id": jax.ops.segment_max(jnp.where(valid, label, -1), seg, num_segments=halo_rows),
               "count": count, "mass": mass, "pos": wrap(ref + com, box),
-              "radius": jnp.sqrt(jnp.maximum(q / safe, 0))}
+              "radius": jnp.sqrt(jnp.maximum(q / safe, 0)),
+              "percolates": jnp.any(extent >= box / 2, axis=1)}
     if "v" in rows:
         vmean = total(rows["v"]) / safe[:, None]
         w = total(rows["w"]) / safe

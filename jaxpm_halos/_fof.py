@@ -228,7 +228,7 @@ def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_lengt
                (("halos", Limit(MAX_HALOS, halo_rows)),)))
     catalogue = Catalogue(id=cat["id"], count=cat["count"], mass=cat["mass"], pos=cat["pos"],
                           vel=cat.get("vel"), vel_disp=cat.get("vel_disp"), radius=cat["radius"],
-                          num=num, status=status)
+                          percolates=cat["percolates"], num=num, status=status)
     return labels[:capacity], catalogue
 
 

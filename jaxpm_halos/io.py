@@ -36,13 +36,14 @@ import numpy as np
 __all__ = ["FIELDS", "INSITU_UNITS", "LoadedCatalogue", "gather_catalogue", "load_catalogue",
            "write_catalogue"]
 
-FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius")
-"""Catalogue fields, in file order (``vel`` and ``vel_disp`` may be absent)."""
+FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates")
+"""Catalogue fields, in file order (``vel`` and ``vel_disp`` may be absent, and
+``percolates`` in files written before it existed)."""
 
 INSITU_UNITS = {
     "id": "lattice index of the group's first particle", "count": "particles",
     "mass": "Msun/h", "pos": "Mpc/h", "vel": "km/s", "vel_disp": "km/s", "radius": "Mpc/h",
-    "box_size": "Mpc/h", "linking_length": "Mpc/h",
+    "percolates": "flag: spans half the box or more along some axis", "box_size": "Mpc/h", "linking_length": "Mpc/h",
 }
 """Units of a catalogue from :class:`jaxpm_halos.InSitu` with ``omega_m`` given (without
 ``omega_m``, ``mass`` counts particles)."""

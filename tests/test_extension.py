@@ -373,3 +373,42 @@ def test_check_with_the_insitu_spells_its_whole_config():
     with pytest.raises(jaxpm_halos.CapacityError) as error:  # without it: the knob alone
         check({"domain": status})
     assert "Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3))." in str(error.value)
+
+
+def _collapsed_state(mesh, nc=16, centre=(4.0, 2.0, 8.0), sigma=0.6, seed=0):
+    """A state whose particles all fall onto one clump (grid units): the shared
+    decomposition's buffers overflow on the device holding it."""
+    rng = np.random.default_rng(seed)
+    lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).astype(np.float32)
+    target = np.asarray(centre, np.float32) + rng.normal(0, sigma, lattice.shape)
+    disp = (target - lattice).astype(np.float32)
+    return jax.device_put(jnp.stack([jnp.asarray(disp), jnp.zeros_like(jnp.asarray(disp))]),
+                          state_sharding(mesh))
+
+
+@NEEDS_KNN
+def test_every_analysis_status_covers_the_shared_decomposition():
+    """Under jit an overflow of the shared decomposition used to show only in
+    out["domain"]: the kNN status said ok with every density wrong. Now each analysis's
+    status includes the decomposition it ran on, so check_insitu of any part raises, and
+    the eager call grows the buffers and equals knn_density afterwards."""
+    mesh = make_mesh((2, 4))
+    y, box = _collapsed_state(mesh), 32.0
+    insitu = InSitu(box_size=box, analyses=("fof", "knn_density"), k=8)
+    out = jax.jit(lambda y: insitu(y, 1.0))(y)
+    assert not bool(out["domain"].ok)
+    assert not bool(out["knn_density"]["status"].ok)
+    assert not bool(out["fof"]["catalogue"].status.ok)
+    for part in (out["knn_density"], out["fof"], out):
+        with pytest.raises(jaxpm_halos.CapacityError, match=r"InSitu\(domain=DomainConfig"):
+            check(part, insitu)
+    with pytest.warns(jaxpm_halos.GrowthWarning):
+        grown = insitu(y, 1.0)
+    want = jaxpm_halos.knn_density(from_jaxpm(y, box_size=box), k=8)
+    np.testing.assert_array_equal(np.asarray(grown["knn_density"]["density"]), np.asarray(want))
+
+
+def test_an_insitu_config_nested_in_fof_is_refused_not_ignored():
+    with pytest.raises(ValueError, match=r"pass domain=DomainConfig\(ghost_factor=0.5\)"):
+        InSitu(box_size=32.0, fof=jaxpm_halos.FoFConfig(
+            domain=jaxpm_halos.DomainConfig(ghost_factor=0.5)))

@@ -355,3 +355,55 @@ def test_local_api_inside_user_shard_map(adversarial):
     rows = cat_id.reshape(8, -1)
     got = np.sort(np.concatenate([r[:k] for r, k in zip(rows, num)]))
     np.testing.assert_array_equal(got, want_cat["id"])
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1), (1, 1)])
+def test_groups_reaching_half_the_box_are_flagged_percolating(shape):
+    """A chain spanning the whole box along x and a diagonal chain reaching 0.6 L along y
+    percolate or reach past L / 2; a chain of 0.4 L and compact clumps do not. The flag is
+    computed from pieces on several devices, so every mesh must agree."""
+    box, link = 16.0, 0.5
+    step = 0.9 * link
+    along = lambda start, length, axis: np.asarray(start) + np.outer(
+        np.arange(int(length / step)) * step, np.eye(3)[axis])
+    chains = {"whole box": along([0.0, 3.1, 5.2], box, 0),       # wraps onto itself
+              "0.6 L": along([7.3, 9.0, 11.1], 0.6 * box, 1),   # crosses the y seam
+              "0.4 L": along([2.2, 13.3, 1.4], 0.4 * box, 2)}
+    rng = np.random.default_rng(1)
+    clumps = [c + rng.normal(0, 0.1, (30, 3)) for c in ([12.0, 12.0, 8.0], [4.0, 0.0, 15.9])]
+    pos = np.mod(np.concatenate(list(chains.values()) + clumps), box).astype(np.float32)
+    mesh = None if shape == (1, 1) else make_mesh(shape)
+    labels, cat = jh.fof(pos, box, link, min_members=10, mesh=mesh)
+    table = cat.to_numpy()
+    flag = dict(zip(table["id"].tolist(), table["percolates"].tolist()))
+    np.testing.assert_array_equal(np.asarray(labels), ref.fof_labels(pos, box, link))
+    start = 0
+    for name, chain in chains.items():
+        assert flag[start] == (name != "0.4 L"), name
+        start += len(chain)
+    assert [flag[start], flag[start + 30]] == [False, False]
+
+
+def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survives():
+    """Status.raise_if_failed() inside jit on 8 devices used to kill the process (a
+    callback failing on device 0 while the others waited in an all-to-all). The check now
+    runs on every device after the data it guards: a clean error, and the next call works."""
+    rng = np.random.default_rng(0)
+    pos = (np.concatenate([rng.normal([50, 25, 50], 0.3, (2048, 3)),
+                           rng.uniform(0, 100, (2048, 3))]) % 100).astype(np.float32)
+    (p,) = _shard(make_mesh((2, 4)), pos)
+
+    def labels_checked(p, config, threaded):
+        labels, cat = jh.fof(p, 100.0, 2.5, min_members=2, config=config)
+        if threaded:
+            return cat.status.error_if(labels)
+        cat.status.raise_if_failed()
+        return labels
+
+    run = jax.jit(labels_checked, static_argnums=(1, 2))
+    for threaded in (True, False):
+        with pytest.raises(Exception, match="buffer 'ghosts' overflowed"):
+            jax.block_until_ready(run(p, jh.FoFConfig(), threaded))
+    fits = jh.FoFConfig(domain=jh.DomainConfig(ghost_factor=2.5))
+    np.testing.assert_array_equal(np.asarray(run(p, fits, True)),
+                                  ref.fof_labels(pos, 100.0, 2.5))
