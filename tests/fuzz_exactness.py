@@ -11,8 +11,11 @@ so that no pair lies at exactly l: float32 and float64 FoF must then agree.
 
 On meshes (1, 8), (8, 1), (2, 4), (4, 2) and on one device it checks FoF labels against
 scipy (``cKDTree.query_pairs`` + ``connected_components``) and kNN against ``cKDTree.query``.
-Every ``CapacityError`` is answered by pasting its suggestion as written, which checks that
-the suggested value then works. An ``--n`` that is not a multiple of 8 goes in unsharded
+The calls run with default configs and grow their buffers themselves (``grow=True``); any
+exception, ``CapacityError`` included, counts as a failure, and the growth warnings are
+counted. ``--paste`` instead answers each ``CapacityError`` of ``grow=False`` calls by
+pasting its suggestion as written, which checks that the suggested value then works. An
+``--n`` that is not a multiple of 8 goes in unsharded
 with ``mesh=`` (padded inside). Not collected by pytest.
 """
 
@@ -21,6 +24,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -72,15 +76,24 @@ def grid_step(box):
 
 
 def with_suggestions(run, config, tries=6):
-    """``run(config)``, pasting each CapacityError's suggestion as written."""
+    """``run(config, grow=False)``, pasting each CapacityError's suggestion as written."""
     for _ in range(tries):
         try:
-            return run(config)
+            return run(config, grow=False)
         except jh.CapacityError as error:
             setting = re.search(r"Rerun with config=(.*?\))\.(?: |$)", str(error))
             assert setting, f"no pasteable suggestion in: {error}"
             config = eval(setting.group(1), dict(CONFIGS))
     raise AssertionError(f"still overflowing after {tries} suggestions")
+
+
+def growing(run, config):
+    """``run(config)`` with the default automatic growth; returns the result and the
+    number of growth warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", jh.GrowthWarning)
+        result = run(config)
+    return result, sum(issubclass(w.category, jh.GrowthWarning) for w in caught)
 
 
 def main(argv=None):
@@ -90,12 +103,23 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--box", type=float, default=16.0)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--paste", action="store_true",
+                        help="grow=False, pasting each suggestion instead of growing")
     args = parser.parse_args(argv)
     box, k = args.box, args.k
     step = grid_step(box)
     link = float(np.sqrt(round((0.2 * box / args.n ** (1 / 3) / step) ** 2) + 0.5) * step)
     meshes = [make_mesh(shape) for shape in MESH_SHAPES] + [None]
-    failures = 0
+    failures = grown = 0
+
+    def call(run, config):
+        nonlocal grown
+        if args.paste:
+            return with_suggestions(run, config)
+        result, warned = growing(run, config)
+        grown += warned
+        return result
+
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         start = time.time()
         pos = layout(seed, args.n, box, link)
@@ -106,22 +130,21 @@ def main(argv=None):
                 pos, NamedSharding(mesh, P(tuple(mesh.axis_names))))
             where = "one device" if mesh is None else f"mesh {tuple(mesh.shape.values())}"
             try:
-                labels, _ = with_suggestions(
-                    lambda c: jh.fof(x, box, link, min_members=5, mesh=mesh, config=c),
-                    jh.FoFConfig())
+                labels, _ = call(lambda c, **kw: jh.fof(x, box, link, min_members=5, mesh=mesh,
+                                                        config=c, **kw), jh.FoFConfig())
                 wrong = int(np.sum(np.asarray(labels) != want))
                 assert wrong == 0, f"FoF: {wrong} labels differ from scipy's"
-                dist, idx = with_suggestions(lambda c: jh.knn(x, box, k, mesh=mesh, config=c),
-                                             jh.KNNConfig())
+                dist, idx = call(lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw),
+                                 jh.KNNConfig())
                 _check_exact(pos, box, k, dist, idx)
-            except AssertionError as error:
+            except Exception as error:  # noqa: BLE001 - every exception is a failure here
                 failures += 1
-                print(f"seed {seed}, {where}: {error}", flush=True)
+                print(f"seed {seed}, {where}: {type(error).__name__}: {error}", flush=True)
         if seed % 4 == 3:
             jh.clear_caches()  # see README: compiled programs hold memory maps
         print(f"seed {seed}: {len(np.unique(want))} groups, {time.time() - start:.0f} s",
               flush=True)
-    print(f"{failures} failures")
+    print(f"{failures} failures" + ("" if args.paste else f", {grown} calls grew buffers"))
     return 1 if failures else 0
 
 
