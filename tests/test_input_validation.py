@@ -1,0 +1,81 @@
+"""Hostile-but-realistic input (issue #18): far periodic images, half-precision positions,
+bad masses and arguments, excluded rows. Results are checked against scipy and numpy."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+from scipy.spatial import cKDTree
+
+import jaxpm_halos as jh
+import reference as ref
+from jaxpm_halos._geometry import wrap
+
+BOX = 100.0
+LINK = 1.0
+
+
+def _image(x: np.ndarray, box: float) -> np.ndarray:
+    """Exact periodic image in float64: fmod is exact, and for |x| >= L the image is a
+    multiple of ulp(L) below L, so it is a float32."""
+    r = np.fmod(np.asarray(x, np.float64), box)
+    return np.where(r < 0, r + box, r)
+
+
+def _far_layout(seed=0, n=1024):
+    """Clumps whose first member's x, y or z is written as a far periodic image (1e4 L to
+    1e28 L away), over a uniform background. Returns (input, true positions)."""
+    rng = np.random.default_rng(seed)
+    far = np.float32([-4.6233114e9, 3.3e12, -1e30, 1e30, 7.7e15, -2.5e7, 1.2345e20, 6e6])
+    axis = np.arange(len(far)) % 3
+    centres = rng.uniform(10, BOX - 10, (len(far), 3))
+    centres[np.arange(len(far)), axis] = _image(far, BOX)
+    clumps = [c + rng.normal(0, 0.3, (31, 3)) for c in centres]
+    for c, clump in zip(centres, clumps):
+        clump[0] = c
+    background = rng.uniform(0, BOX, (n - 31 * len(far), 3))
+    true = np.concatenate(clumps + [background]).astype(np.float32)
+    true = np.where(true >= BOX, true - BOX, np.where(true < 0, true + BOX, true))
+    given = true.copy()
+    given[np.arange(len(far)) * 31, axis] = far
+    return given, true.astype(np.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_wrap_is_exact_for_far_images_and_unchanged_in_the_box(jit):
+    fn = jax.jit(lambda x: wrap(x, BOX)) if jit else (lambda x: wrap(jnp.asarray(x), BOX))
+    rng = np.random.default_rng(1)
+    far = np.concatenate([np.float32([-4.6233114e9, 1e30, -1e30, 3.4e38, -3.4e38, 1e10]),
+                          (rng.choice([-1, 1], 2000) * 10.0 ** rng.uniform(3, 38, 2000))])
+    far = far.astype(np.float32)
+    got = np.asarray(fn(far))
+    assert got[0] == 40.0
+    assert np.all((got >= 0) & (got < BOX))
+    np.testing.assert_array_equal(got, _image(far, BOX).astype(np.float32))
+    # Near the box: the correctly rounded image, -L and L to +0, inside unchanged bitwise.
+    near = np.concatenate([rng.uniform(-4 * BOX, 4 * BOX, 20000),
+                           [-BOX, BOX, -2 * BOX, 0.0, -0.0, 1e-30, -1e-30]]).astype(np.float32)
+    got = np.asarray(fn(near))
+    image = _image(near, BOX).astype(np.float32)
+    want = np.where((near >= 0) & (near < BOX), near, np.where(image >= BOX, 0, image) + 0.0)
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+    assert np.isnan(np.asarray(fn(np.float32([np.nan, np.inf, -np.inf])))).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+def test_far_images_give_scipys_groups_and_neighbours(shape):
+    given, true = _far_layout()
+    mesh = None if shape is None else make_mesh(shape)
+    x = given if mesh is None else jax.device_put(given, NamedSharding(mesh, P(("x", "y"))))
+    labels, cat = jh.fof(x, BOX, LINK, min_members=20)
+    want = ref.fof_labels(true, BOX, LINK)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    assert np.all(np.bincount(want)[want[::31][:8]] >= 31)
+    assert bool(cat.status.ok)
+    dist, idx = jh.knn(x, BOX, 8)
+    want_dist, _ = cKDTree(true.astype(np.float64), boxsize=BOX).query(true, k=9)
+    np.testing.assert_allclose(np.asarray(dist), want_dist[:, 1:], rtol=4e-7, atol=1e-4)
