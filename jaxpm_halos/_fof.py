@@ -275,7 +275,9 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
         then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
         ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
-        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
+        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`. Integer
+        and half-precision (float16, bfloat16) positions, velocities and masses are
+        computed in float32.
       box_size: periodic box side, in the unit of ``pos`` (taken from Particles).
       linking_length: two particles are friends when their minimum-image distance is at
         most this length.

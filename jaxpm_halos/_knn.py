@@ -1156,7 +1156,8 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
       pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
         then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
         ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
-        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
+        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`. Integer
+        and half-precision (float16, bfloat16) positions and masses are computed in float32.
       box_size: periodic box side (taken from Particles).
       k: number of neighbours, ``1 <= k < N`` (``k <= N`` with ``query``).
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).

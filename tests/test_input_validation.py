@@ -79,3 +79,43 @@ def test_far_images_give_scipys_groups_and_neighbours(shape):
     dist, idx = jh.knn(x, BOX, 8)
     want_dist, _ = cKDTree(true.astype(np.float64), boxsize=BOX).query(true, k=9)
     np.testing.assert_allclose(np.asarray(dist), want_dist[:, 1:], rtol=4e-7, atol=1e-4)
+
+
+
+def _half(dtype):
+    """The far layout's true positions, velocities and masses in ``dtype``, their float32
+    values (positions that rounded up to L wrapped to 0), and them sharded on (2, 4)."""
+    _, true = _far_layout()
+    rng = np.random.default_rng(2)
+    half = [jnp.asarray(a, dtype) for a in
+            (true, rng.normal(0, 3, true.shape), rng.uniform(0.5, 2, len(true)))]
+    pos32, vel32, mass32 = (np.asarray(a.astype(jnp.float32)) for a in half)
+    pos32 = np.where(pos32 >= BOX, np.float32(0), pos32)
+    sharded = jax.device_put(half[0], NamedSharding(make_mesh((2, 4)), P(("x", "y"))))
+    return half, (pos32, vel32, mass32), sharded
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_fof_is_computed_in_float32(dtype):
+    """float16 / bfloat16 positions, velocities and masses give scipy's groups and numpy's
+    catalogue of their float32 values, in float32."""
+    (_, vel, mass), (pos32, vel32, mass32), sharded = _half(dtype)
+    link = ref.unambiguous_linking_length(pos32, BOX, LINK)
+    labels, cat = jh.fof(sharded, BOX, link, vel=vel, mass=mass, min_members=20)
+    want = ref.fof_labels(pos32, BOX, link)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    got, want_cat = cat.to_numpy(), ref.catalogue(pos32, BOX, want, 20, vel32, mass32)
+    assert got["mass"].dtype == np.float32 and got["vel"].dtype == np.float32
+    np.testing.assert_array_equal(got["id"], want_cat["id"])
+    np.testing.assert_allclose(got["mass"], want_cat["mass"], rtol=2e-6)
+    np.testing.assert_allclose(got["vel"], want_cat["vel"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["radius"], want_cat["radius"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_knn_is_computed_in_float32(dtype):
+    _, (pos32, _, _), sharded = _half(dtype)
+    dist, _ = jh.knn(sharded, BOX, 8)
+    assert dist.dtype == jnp.float32
+    want_dist, _ = cKDTree(pos32.astype(np.float64), boxsize=BOX).query(pos32, k=9)
+    np.testing.assert_allclose(np.asarray(dist), want_dist[:, 1:], rtol=4e-7, atol=1e-4)
