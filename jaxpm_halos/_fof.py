@@ -292,7 +292,8 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     Returns:
       ``(labels, catalogue)``. ``labels`` has the input's leading shape and sharding; a
       particle's label is the smallest id in its group (input index, or lattice index for
-      grids), so labels are identical on every mesh. ``catalogue`` is a padded
+      grids), so labels are identical on every mesh; -1 for particles excluded for a
+      non-finite position (inside ``jit``). ``catalogue`` is a padded
       :class:`~jaxpm_halos.Catalogue`. Called outside ``jit``, a buffer overflow or a
       non-finite position raises an error naming the knob and a value that fits; inside
       ``jit``, read ``catalogue.status`` (or call ``catalogue.status.raise_if_failed()``).
@@ -302,7 +303,8 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     if int(min_members) < 1:
         raise ValueError(f"min_members must be at least 1, got {min_members}")
     labels, catalogue = _fof_program(problem, in_specs, l, int(min_members), config)(*args)
-    labels = trim_padding(problem, labels)
+    # Rows excluded for a non-finite position come back from the devices as 0.
+    labels = trim_padding(problem, jnp.where(jnp.all(jnp.isfinite(args[0]), -1), labels, -1))
     if not is_traced(labels):
         catalogue.status.check(config, "config={}")
     return labels, catalogue

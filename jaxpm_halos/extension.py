@@ -251,6 +251,9 @@ class InSitu:
         bound = dataclasses.replace(self, nc=int(y.shape[1]))
         out = _compiled(bound, _state_layout(bound, y), jnp.dtype(y.dtype))(
             y, jnp.asarray(a, y.dtype))
+        if "fof" in out:  # particles excluded for a non-finite position come back as 0
+            finite = jnp.all(jnp.isfinite(y[0]), -1)
+            out["fof"]["labels"] = jnp.where(finite, out["fof"]["labels"], -1)
         if bound.save_state:
             out["state"] = y
         if not is_traced(y, a):

@@ -119,3 +119,52 @@ def test_half_precision_knn_is_computed_in_float32(dtype):
     assert dist.dtype == jnp.float32
     want_dist, _ = cKDTree(pos32.astype(np.float64), boxsize=BOX).query(pos32, k=9)
     np.testing.assert_allclose(np.asarray(dist), want_dist[:, 1:], rtol=4e-7, atol=1e-4)
+
+
+def _without(pos, bad, link, box=BOX):
+    """scipy's labels of the rows not in ``bad`` (as input indices), -1 for ``bad``."""
+    keep = np.ones(len(pos), bool)
+    keep[bad] = False
+    want = np.full(len(pos), -1)
+    want[keep] = np.nonzero(keep)[0][ref.fof_labels(pos[keep], box, link)]
+    return want
+
+
+@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+def test_excluded_rows_have_label_minus_one_under_jit(shape):
+    """Row 0 is the first member of a 31-member group: its label 0 is a real group id."""
+    _, true = _far_layout()
+    bad = true.copy()
+    bad[0] = np.nan
+    bad[40, 1] = np.inf
+    bad[-1, 2] = -np.inf
+    mesh = None if shape is None else make_mesh(shape)
+    x = bad if mesh is None else jax.device_put(bad, NamedSharding(mesh, P(("x", "y"))))
+    labels, cat = jax.jit(lambda p: jh.fof(p, BOX, LINK, min_members=20, mesh=mesh))(x)
+    assert int(cat.status.nonfinite) == 3
+    np.testing.assert_array_equal(np.asarray(labels), _without(true, [0, 40, len(true) - 1],
+                                                               LINK))
+    with pytest.raises(jh.InvalidInputError, match="3 particle positions"):
+        jh.fof(x, BOX, LINK, min_members=20, mesh=mesh)
+
+
+def test_excluded_rows_have_label_minus_one_in_situ_under_jit():
+    nc, box = 8, 8.0
+    rng = np.random.default_rng(4)
+    disp = rng.uniform(-0.3, 0.3, (nc, nc, nc, 3)).astype(np.float32)
+    lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    clump = np.flatnonzero(lattice.sum(1) % 5 == 0)[:40]  # 40 particles gathered at one spot
+    disp.reshape(-1, 3)[clump] = np.array([2.0, 5.0, 3.0]) + rng.uniform(
+        -0.05, 0.05, (len(clump), 3)) - lattice[clump]
+    disp.reshape(-1, 3)[clump[0]] = np.nan
+    disp[7, 7, 7, 0] = np.inf
+    mesh = make_mesh((2, 4))
+    y = jax.device_put(np.stack([disp, np.zeros_like(disp)]),
+                       NamedSharding(mesh, P(None, "x", "y")))
+    insitu = jh.InSitu(box_size=box, analyses=("fof",), min_members=20)
+    labels = jax.jit(lambda s: insitu(s, 1.0)["fof"]["labels"])(y)
+    pos = np.asarray(jh.from_jaxpm(y, box_size=box).pos).reshape(-1, 3)
+    bad = [clump[0], nc ** 3 - 1]
+    want = _without(np.nan_to_num(pos), bad, 0.2 * box / nc, box)
+    assert np.bincount(want[want >= 0]).max() == 39
+    np.testing.assert_array_equal(np.asarray(labels).reshape(-1), want)
