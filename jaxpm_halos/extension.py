@@ -195,7 +195,7 @@ class InSitu:
       analyses: names of registered analyses to run at every snapshot.
       b: FoF linking length in units of the mean particle separation ``box_size / nc``.
       min_members: smallest FoF group in the catalogue.
-      k: neighbours for ``knn_density``.
+      k: neighbours for ``knn_density``, an integer with ``2 <= k < nc**3``.
       omega_m: total matter density; when given, masses are in Msun/h (else 1 per particle).
       overdensity: ``knn_density`` returns ``rho / rho_mean - 1`` instead of rho.
       save_state: also save the state ``y`` itself at each snapshot.
@@ -226,6 +226,8 @@ class InSitu:
             raise ValueError(f"b must be positive, got {self.b}")
         if int(self.min_members) < 1:
             raise ValueError(f"min_members must be at least 1, got {self.min_members}")
+        if "knn_density" in self.analyses:
+            object.__setattr__(self, "k", _check_k(self.k, self.nc))
 
     @property
     def linking_length(self) -> float:
@@ -275,6 +277,19 @@ class InSitu:
             raise ValueError(f"snapshot times {ts.tolist()} must be non-empty and lie in "
                              f"[{t0}, {t1}]")
         return diffrax.SaveAt(ts=jnp.asarray(ts), fn=lambda t, y, args: self(y, t))
+
+
+def _check_k(k, nc: int | None) -> int:
+    """``k`` for knn_density: an integer, at least 2 and, once the grid is known, below the
+    particle count ``nc**3``."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"InSitu(k={k!r}): k must be an integer (knn_density's neighbours)")
+    if k < 2:
+        raise ValueError(f"InSitu(k={k}): knn_density needs k >= 2 (the estimator uses k - 1)")
+    if nc is not None and k >= nc ** 3:
+        raise ValueError(f"InSitu(k={k}): k neighbours need at least k + 1 particles; the "
+                         f"state holds nc**3 = {nc ** 3}. Use k < {nc ** 3}")
+    return int(k)
 
 
 def check(outputs, insitu: "InSitu | None" = None) -> None:

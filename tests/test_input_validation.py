@@ -168,3 +168,25 @@ def test_excluded_rows_have_label_minus_one_in_situ_under_jit():
     want = _without(np.nan_to_num(pos), bad, 0.2 * box / nc, box)
     assert np.bincount(want[want >= 0]).max() == 39
     np.testing.assert_array_equal(np.asarray(labels).reshape(-1), want)
+
+
+@pytest.mark.parametrize("k, message", [
+    (1, r"InSitu\(k=1\): knn_density needs k >= 2"),
+    (0, r"InSitu\(k=0\): knn_density needs k >= 2"),
+    (-3, r"knn_density needs k >= 2"),
+    (2.5, r"InSitu\(k=2.5\): k must be an integer"),
+    (True, r"k must be an integer"),
+    ("16", r"k must be an integer"),
+])
+def test_insitu_rejects_a_bad_k_at_construction(k, message):
+    with pytest.raises(ValueError, match=message):
+        jh.InSitu(box_size=16.0, k=k)
+    jh.InSitu(box_size=16.0, analyses=("fof",), k=k)  # k is knn_density's only
+    assert jh.InSitu(box_size=16.0, k=np.int64(2)).k == 2
+
+
+@pytest.mark.parametrize("k", [64, 65, 1000])
+def test_insitu_rejects_k_of_at_least_the_particle_count(k):
+    y = jnp.zeros((2, 4, 4, 4, 3), jnp.float32)
+    with pytest.raises(ValueError, match=rf"InSitu\(k={k}\): .*nc\*\*3 = 64\. Use k < 64"):
+        jh.InSitu(box_size=16.0, analyses=("knn_density",), k=k)(y)
