@@ -37,7 +37,7 @@ from ._frontend import (Problem, local_fields, local_valid, prepare, program_cac
                         row_masses, trim_padding)
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils, width_fraction
-from ._particles import Particles
+from ._particles import Particles, _check_integer
 from ._status import Limit, Status, is_traced
 
 int32 = jnp.int32
@@ -284,8 +284,10 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       b: alternatively, the linking length in units of the mean separation ``L / N^(1/3)``
         (``L / nc`` for grids).
       vel, mass: optional velocities (same shape as ``pos``) and masses (scalar or per
-        particle) for the catalogue; taken from Particles when present.
-      min_members: smallest group that enters the catalogue.
+        particle, finite and >= 0) for the catalogue; taken from Particles when present.
+        Inside ``jit``, particles with a bad mass are excluded and counted like non-finite
+        positions.
+      min_members: smallest group that enters the catalogue (an integer >= 1).
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
       config: buffer sizes (:class:`~jaxpm_halos.FoFConfig`).
 
@@ -300,9 +302,8 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     """
     problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)
     l = _linking_length(problem, linking_length, b)
-    if int(min_members) < 1:
-        raise ValueError(f"min_members must be at least 1, got {min_members}")
-    labels, catalogue = _fof_program(problem, in_specs, l, int(min_members), config)(*args)
+    min_members = _check_integer("min_members", min_members, 1)
+    labels, catalogue = _fof_program(problem, in_specs, l, min_members, config)(*args)
     # Rows excluded for a non-finite position come back from the devices as 0.
     labels = trim_padding(problem, jnp.where(jnp.all(jnp.isfinite(args[0]), -1), labels, -1))
     if not is_traced(labels):
@@ -328,6 +329,7 @@ def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
       (padded, valid first), their labels in that order (-1 in padding), and this device's
       padded catalogue (``num`` is a scalar). No return trip is made.
     """
+    min_members = _check_integer("min_members", min_members, 1)
     x_axis, y_axis = axes
     px = jax.lax.axis_size(x_axis) if x_axis else 1
     py = jax.lax.axis_size(y_axis) if y_axis else 1
@@ -339,7 +341,7 @@ def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
     if particles.vel is not None:
         fields["vel"] = particles.vel.reshape(-1, 3)
     migrated, labels, catalogue = _device_fof(pencils, fields, particles.valid(),
-                                              float(linking_length), int(min_members), config, n0,
+                                              float(linking_length), min_members, config, n0,
                                               grid=False)
     payload = migrated.payload
     domain = Particles(payload["pos"], payload["id"], migrated.count, payload.get("vel"),

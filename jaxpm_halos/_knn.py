@@ -1195,7 +1195,10 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
     ``r_k`` is the distance to the k-th nearest other particle (nearest particle for query
     points). With per-particle masses, ``(k - 1) m`` is the mass of the k - 1 nearest
     neighbours. ``overdensity=True`` returns ``rho / rho_mean - 1`` with ``rho_mean`` the
-    total mass over ``box_size**3``. Needs ``k >= 2``. Other arguments as :func:`knn`.
+    total mass over ``box_size**3``. Needs ``k >= 2``. Masses must be finite and >= 0:
+    outside ``jit`` others raise :class:`~jaxpm_halos.InvalidInputError`; inside, their
+    particles are excluded and counted like non-finite positions. Other arguments as
+    :func:`knn`.
     """
     if isinstance(k, (int, np.integer)) and not isinstance(k, bool) and int(k) < 2:
         raise ValueError(f"knn_density needs k >= 2 (the estimator uses k - 1), got {k}")

@@ -1,7 +1,7 @@
 """Hostile-but-realistic input (issue #18): far periodic images, half-precision positions,
 bad masses and arguments, excluded rows. Results are checked against scipy and numpy."""
 
-import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -190,3 +190,121 @@ def test_insitu_rejects_k_of_at_least_the_particle_count(k):
     y = jnp.zeros((2, 4, 4, 4, 3), jnp.float32)
     with pytest.raises(ValueError, match=rf"InSitu\(k={k}\): .*nc\*\*3 = 64\. Use k < 64"):
         jh.InSitu(box_size=16.0, analyses=("knn_density",), k=k)(y)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(b=float("inf")), r"InSitu\(b=inf\): b must be positive and finite"),
+    (dict(b=float("nan")), r"InSitu\(b=nan\): b must be positive and finite"),
+    (dict(b=0.0), r"b must be positive and finite"),
+    (dict(b="0.2"), r"b must be positive and finite"),
+    (dict(omega_m=-0.3), r"InSitu\(omega_m=-0.3\): omega_m must be positive and finite"),
+    (dict(omega_m=float("nan")), r"omega_m must be positive and finite"),
+    (dict(min_members=2.5), r"min_members must be an integer, got 2.5"),
+    (dict(min_members="2"), r"min_members must be an integer, got '2'"),
+    (dict(min_members=True), r"min_members must be an integer, got True"),
+    (dict(min_members=0), r"min_members must be at least 1, got 0"),
+])
+def test_insitu_rejects_bad_settings_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jh.InSitu(box_size=16.0, **kwargs)
+    insitu = jh.InSitu(box_size=16.0, min_members=np.int64(7), b=np.float32(0.25))
+    assert insitu.min_members == 7 and type(insitu.min_members) is int
+
+
+@pytest.mark.parametrize("b, shape, message", [
+    (10, (2, 4), r"InSitu\(b=10\): the linking length b \* box_size / nc = 10 is wider than "
+                 r"a pencil \(4\) of the \(2, 4\) mesh; use b <= 3\.999 or fewer devices"),
+    (4.5, (8, 1), r"wider than a pencil \(2\) of the \(8, 1\) mesh; use b <= 1\.999"),
+    (6, (1, 1), r"InSitu\(b=6\): the linking length b \* box_size / nc = 6 must be below a "
+                r"third of the box 16: use b < nc / 3 = 5\.33333"),
+])
+def test_insitu_names_b_when_the_linking_length_does_not_fit(b, shape, message):
+    mesh = make_mesh(shape)
+    y = jax.device_put(jnp.zeros((2, 16, 16, 16, 3)), NamedSharding(mesh, P(None, "x", "y")))
+    with pytest.raises(ValueError, match=message):
+        jh.InSitu(box_size=16.0, analyses=("fof",), b=b)(y)
+
+
+def test_insitu_takes_an_integer_state_as_float32():
+    """Integer displacements stack particles on lattice points: groups of coincident
+    particles, as scipy finds them."""
+    nc, box = 8, 8.0
+    rng = np.random.default_rng(6)
+    lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    movers = rng.choice(nc ** 3, 60, replace=False)
+    disp = np.zeros((nc ** 3, 3), np.int32)
+    disp[movers] = np.array([2, 5, 3]) - lattice[movers]  # 60 particles onto (2, 5, 3)
+    disp = disp.reshape(nc, nc, nc, 3)
+    y = jax.device_put(np.stack([disp, np.zeros_like(disp)]),
+                       NamedSharding(make_mesh((2, 4)), P(None, "x", "y")))
+    out = jh.InSitu(box_size=box, analyses=("fof",), min_members=20)(y)
+    pos = np.asarray(jh.from_jaxpm(y.astype(jnp.float32), box_size=box).pos).reshape(-1, 3)
+    want = ref.fof_labels(pos, box, 0.2 * box / nc)
+    np.testing.assert_array_equal(np.asarray(out["fof"]["labels"]).reshape(-1), want)
+    assert np.bincount(want).max() >= 60
+    np.testing.assert_array_equal(out["fof"]["catalogue"].to_numpy()["count"],
+                                  [np.bincount(want).max()])
+
+
+@pytest.mark.parametrize("min_members", [2.5, "2", True, 20.0])
+def test_fof_requires_an_integer_min_members(min_members):
+    _, true = _far_layout()
+    with pytest.raises(ValueError, match=rf"min_members must be an integer, got "
+                                         rf"{re.escape(repr(min_members))}"):
+        jh.fof(true, BOX, LINK, min_members=min_members)
+
+
+def test_velocities_and_masses_may_be_lists():
+    _, true = _far_layout()
+    rng = np.random.default_rng(9)
+    vel, mass = rng.normal(0, 3, true.shape), rng.uniform(0.5, 2, len(true))
+    labels, cat = jh.fof(true, BOX, LINK, vel=vel.tolist(), mass=mass.tolist(),
+                         min_members=np.int64(20))
+    want = ref.fof_labels(true, BOX, LINK)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    got, want_cat = cat.to_numpy(), ref.catalogue(true, BOX, want, 20, vel, mass)
+    np.testing.assert_array_equal(got["count"], want_cat["count"])
+    np.testing.assert_allclose(got["mass"], want_cat["mass"], rtol=2e-6)
+    np.testing.assert_allclose(got["vel"], want_cat["vel"], rtol=1e-5, atol=1e-5)
+
+
+def _bad_masses():
+    _, true = _far_layout()
+    mass = np.random.default_rng(10).uniform(0.5, 2, len(true)).astype(np.float32)
+    bad = mass.copy()
+    bad[0], bad[40], bad[500] = np.nan, -1.0, np.inf  # row 0: first member of a group
+    return true, mass, bad
+
+
+@pytest.mark.parametrize("mass", ["rows", "scalar"])
+def test_bad_masses_raise_outside_jit(mass):
+    true, _, bad = _bad_masses()
+    given, count = (bad, 3) if mass == "rows" else (np.float32(-2.0), 1)
+    message = rf"{count} particle masses are NaN, inf or negative"
+    with pytest.raises(jh.InvalidInputError, match=message):
+        jh.fof(true, BOX, LINK, mass=given)
+    with pytest.raises(jh.InvalidInputError, match=message):
+        jh.knn_density(true, BOX, 8, mass=jnp.asarray(given))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
+    true, mass, bad = _bad_masses()
+    mesh = None if shape is None else make_mesh(shape)
+    rows = NamedSharding(mesh, P(("x", "y"))) if mesh else None
+    x, m = (a if mesh is None else jax.device_put(a, rows) for a in (true, bad))
+    labels, cat = jax.jit(lambda p, w: jh.fof(p, BOX, LINK, mass=w, min_members=20,
+                                              mesh=mesh))(x, m)
+    assert int(cat.status.nonfinite) == 3 and not bool(cat.status.ok)
+    want = _without(true, [0, 40, 500], LINK)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    keep = want >= 0
+    got = cat.to_numpy()
+    want_cat = ref.catalogue(true[keep], BOX, np.searchsorted(np.nonzero(keep)[0], want[keep]),
+                             20, mass=mass[keep])
+    np.testing.assert_allclose(got["mass"], want_cat["mass"], rtol=2e-6)
+    rho, status = jax.jit(lambda p, w: jh.knn_density(p, BOX, 8, mass=w, mesh=mesh,
+                                                      with_status=True))(x, m)
+    assert int(status.nonfinite) == 3
+    rho = np.asarray(rho)
+    assert np.isnan(rho[[0, 40, 500]]).all() and np.isfinite(rho[keep]).all()
