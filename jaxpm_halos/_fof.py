@@ -35,7 +35,7 @@ from ._frontend import (Problem, local_fields, local_valid, particle_fields, par
                         prepare, program_cache, row_masses, trim_padding)
 from ._geometry import periodic_distance2
 from ._layout import Pencils
-from ._particles import Particles
+from ._particles import Particles, _check_integer
 from ._pipeline import Plan, Step, analyse, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._status import Limit, Status, is_traced
@@ -277,15 +277,19 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
         then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
         ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
-        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
+        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`. Integer
+        and half-precision (float16, bfloat16) positions, velocities and masses are
+        computed in float32.
       box_size: periodic box side, in the unit of ``pos`` (taken from Particles).
       linking_length: two particles are friends when their minimum-image distance is at
         most this length.
       b: alternatively, the linking length in units of the mean separation ``L / N^(1/3)``
         (``L / nc`` for grids).
       vel, mass: optional velocities (same shape as ``pos``) and masses (scalar or per
-        particle) for the catalogue; taken from Particles when present.
-      min_members: smallest group that enters the catalogue.
+        particle, finite and >= 0) for the catalogue; taken from Particles when present.
+        Inside ``jit``, particles with a bad mass are excluded and counted like non-finite
+        positions.
+      min_members: smallest group that enters the catalogue (an integer >= 1).
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
       config: buffer sizes (:class:`~jaxpm_halos.FoFConfig`).
       grow: outside ``jit``, when a buffer overflows, grow it and run again (a few rounds
@@ -305,9 +309,8 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     """
     problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)
     l = _linking_length(problem, linking_length, b)
-    if int(min_members) < 1:
-        raise ValueError(f"min_members must be at least 1, got {min_members}")
-    run = lambda cfg: _fof_program(problem, in_specs, l, int(min_members), cfg)(*args)
+    min_members = _check_integer("min_members", min_members, 1)
+    run = lambda cfg: _fof_program(problem, in_specs, l, min_members, cfg)(*args)
     if is_traced(args):
         labels, catalogue = run(config)
     else:
@@ -333,13 +336,14 @@ def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
       (padded, valid first), their labels in that order (-1 in padding), and this device's
       padded catalogue (``num`` is a scalar). No return trip is made.
     """
+    min_members = _check_integer("min_members", min_members, 1)
     pencils = Pencils.from_axes(axes, particles.box_size)
     n0 = particles.size if n0 is None else int(n0)
     l = float(linking_length)
     plan = Plan(pencils, config.domain, n0, ghost_width(l, particles.box_size))
     decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
     outputs, _ = analyse(decomposition, domain,
-                         {"fof": fof_step(plan, l, int(min_members), config)})
+                         {"fof": fof_step(plan, l, min_members, config)})
     catalogue = outputs["fof"]["catalogue"]
     migrated = decomposition.migrated
     return (particles_of(migrated, particles.box_size), outputs["fof"]["labels"],

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from ._geometry import wrap
 from ._layout import Layout, layout_of
 from ._particles import Particles, _check_box_size
+from ._status import InvalidInputError
 
 int32 = jnp.int32
 
@@ -77,7 +78,12 @@ class Problem:
 
 
 def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
-    """Normalise inputs. Returns ``(problem, args, in_specs)`` for :meth:`Layout.run`."""
+    """Normalise inputs. Returns ``(problem, args, in_specs)`` for :meth:`Layout.run`.
+
+    Positions, velocities and per-particle masses may be any array-like; integer and
+    half-precision (float16, bfloat16) values are computed in float32. Masses must be
+    finite and >= 0 (see :func:`_screen_masses`).
+    """
     ids = None
     if isinstance(pos, Particles):
         particles = pos
@@ -88,10 +94,10 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
     if box_size is None:
         raise ValueError("box_size is required for position arrays")
     box_size = _check_box_size(box_size)
-    if not hasattr(pos, "shape"):
-        pos = jnp.asarray(pos)
-    if not jnp.issubdtype(pos.dtype, jnp.floating):
-        pos = jnp.asarray(pos, jnp.float32)
+    pos = _at_least_float32(pos)
+    if vel is not None:
+        vel = _at_least_float32(vel)
+    pos = _screen_masses(mass, pos)
     layout = layout_of(pos, box_size, mesh)
     spec = layout.spec
     vector_spec = P(*spec, None) if layout.grid else P(spec[0] if len(spec) else None, None)
@@ -114,6 +120,7 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
             args.append(jnp.asarray(mass, pos.dtype))
             specs.append(P())
         else:
+            mass = _at_least_float32(mass)
             if tuple(mass.shape) != tuple(pos.shape[:-1]):
                 raise ValueError(f"mass must be a scalar or of shape {pos.shape[:-1]}, "
                                  f"got {mass.shape}")
@@ -128,6 +135,36 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
                 for a, s in zip(args, specs)]
     problem = Problem(layout, box_size, vel is not None, ids is not None, mass_kind, static_mass)
     return problem, tuple(args), tuple(specs)
+
+
+def _screen_masses(mass, pos):
+    """Masses must be finite and >= 0. Concrete ones are checked here; traced ones cannot
+    be, so their particles get NaN positions: the devices exclude them and count them
+    with the non-finite positions (``Status.nonfinite``, ``status.ok`` False)."""
+    if mass is None:
+        return pos
+    if isinstance(mass, jax.core.Tracer):
+        if mass.ndim and tuple(mass.shape) != tuple(pos.shape[:-1]):
+            return pos  # prepare names the shape
+        bad = ~(jnp.isfinite(mass) & (mass >= 0))
+        return jnp.where(bad[..., None], jnp.asarray(jnp.nan, pos.dtype), pos)
+    xp = jnp if isinstance(mass, jax.Array) else np
+    m = xp.asarray(mass)
+    count = int(xp.sum(~(xp.isfinite(m) & (m >= 0))))
+    if count:
+        raise InvalidInputError(f"jaxpm_halos: {count} particle masses are NaN, inf or "
+                                "negative; masses must be finite and >= 0.")
+    return pos
+
+
+def _at_least_float32(x):
+    """An array-like as an array computed in float32 at least: integer and half-precision
+    (float16, bfloat16) input is converted to float32, wider floats pass unchanged."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits >= 32:
+        return x
+    return jnp.asarray(x, jnp.float32)
 
 
 def local_fields(problem: Problem, *blocks):

@@ -14,12 +14,16 @@ def wrap(pos, box_size):
     """Wrap positions periodically into ``[0, box_size)``.
 
     Values already in the box pass through bitwise unchanged, so wrapping is idempotent
-    whichever program evaluates it. Values equal to ``box_size`` map to 0, and so do values
-    whose wrapped image rounds up to ``box_size``.
+    whichever program evaluates it. Others are reduced by ``fmod``, which is exact for every
+    finite float (no product ``L * floor(x / L)`` to round, or for XLA to contract into a
+    fused multiply-add), so even ``|x| >> L`` lands on its true image; a negative remainder
+    takes one rounding when ``L`` is added. Values equal to ``box_size`` map to 0, and so do
+    values whose wrapped image rounds up to ``box_size``. NaN and inf give NaN.
     """
-    general = pos - box_size * jnp.floor(pos / box_size)
+    general = jnp.fmod(pos, box_size)
     general = jnp.where(general < 0, general + box_size, general)
-    general = jnp.where(general >= box_size, jnp.zeros_like(general), general)
+    # -0.0 (from -L) and images that rounded up to L become 0.
+    general = jnp.where((general <= 0) | (general >= box_size), jnp.zeros_like(general), general)
     return jnp.where((pos >= 0) & (pos < box_size), pos, general)
 
 

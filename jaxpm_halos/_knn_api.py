@@ -195,7 +195,8 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
       pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
         then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
         ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
-        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`.
+        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`. Integer
+        and half-precision (float16, bfloat16) positions and masses are computed in float32.
       box_size: periodic box side (taken from Particles).
       k: number of neighbours, ``1 <= k < N`` (``k <= N`` with ``query``).
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
@@ -237,7 +238,10 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
     ``r_k`` is the distance to the k-th nearest other particle (nearest particle for query
     points). With per-particle masses, ``(k - 1) m`` is the mass of the k - 1 nearest
     neighbours. ``overdensity=True`` returns ``rho / rho_mean - 1`` with ``rho_mean`` the
-    total mass over ``box_size**3``. Needs ``k >= 2``. Other arguments as :func:`knn`.
+    total mass over ``box_size**3``. Needs ``k >= 2``. Masses must be finite and >= 0:
+    outside ``jit`` others raise :class:`~jaxpm_halos.InvalidInputError`; inside, their
+    particles are excluded and counted like non-finite positions. Other arguments as
+    :func:`knn`.
     """
     return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
                 with_status, grow)

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._geometry import wrap
 
@@ -97,3 +98,13 @@ def _check_box_size(box_size) -> float:
     if not box_size > 0 or box_size != box_size or box_size == float("inf"):
         raise ValueError(f"box_size must be a positive finite length, got {box_size}")
     return box_size
+
+
+def _check_integer(name: str, value, minimum: int) -> int:
+    """``value`` as an int, raising a ValueError naming ``name`` unless it is an integer
+    (``int`` or a numpy integer; not a bool, a float or a string) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return int(value)

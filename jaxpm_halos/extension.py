@@ -30,6 +30,7 @@ input's grid layout; ``"device"`` leaves are per-device arrays stacked along axi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -45,7 +46,7 @@ from ._geometry import grid_to_box
 from ._knn import density_from, ghost_width as knn_ghost_width
 from ._knn_api import knn_on_plan
 from ._layout import Pencils
-from ._particles import Particles
+from ._particles import Particles, _check_integer
 from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._status import Status, is_traced, spell_config
@@ -180,9 +181,11 @@ class InSitu:
     Attributes:
       box_size: box side in Mpc/h.
       analyses: names of registered analyses to run at every snapshot.
-      b: FoF linking length in units of the mean particle separation ``box_size / nc``.
-      min_members: smallest FoF group in the catalogue.
-      k: neighbours for ``knn_density``.
+      b: FoF linking length in units of the mean particle separation ``box_size / nc``
+        (positive; the linking length must fit in a pencil of the mesh and stay below a
+        third of the box).
+      min_members: smallest FoF group in the catalogue (an integer >= 1).
+      k: neighbours for ``knn_density``, an integer with ``2 <= k < nc**3``.
       omega_m: total matter density; when given, masses are in Msun/h (else 1 per particle).
       overdensity: ``knn_density`` returns ``rho / rho_mean - 1`` instead of rho.
       save_state: also save the state ``y`` itself at each snapshot.
@@ -212,10 +215,14 @@ class InSitu:
             analysis(name)
         if not self.box_size > 0:
             raise ValueError(f"box_size must be positive, got {self.box_size}")
-        if not self.b > 0:
-            raise ValueError(f"b must be positive, got {self.b}")
-        if int(self.min_members) < 1:
-            raise ValueError(f"min_members must be at least 1, got {self.min_members}")
+        _check_positive("b", self.b)
+        if self.omega_m is not None:
+            _check_positive("omega_m", self.omega_m)
+        object.__setattr__(self, "min_members",
+                           _check_integer("InSitu(min_members=...): min_members",
+                                          self.min_members, 1))
+        if "knn_density" in self.analyses:
+            object.__setattr__(self, "k", _check_k(self.k, self.nc))
         for attr in ("fof", "knn"):
             inner = getattr(self, attr).domain
             if inner != DomainConfig():
@@ -241,14 +248,14 @@ class InSitu:
         Works inside ``jit`` (e.g. in a diffrax ``SaveAt`` function), where the statuses
         report overflows (:func:`check`), and outside, where a buffer that overflowed is
         grown and the analyses run again (``grow=False``: raise an error naming a setting
-        that fits).
+        that fits). An integer
+        or half-precision state is computed in float32.
         """
-        if getattr(y, "ndim", None) != 5 or y.shape[0] != 2 or y.shape[-1] != 3 \
-                or not y.shape[1] == y.shape[2] == y.shape[3]:
-            raise ValueError(f"expected a JaxPM state of shape (2, nc, nc, nc, 3), got "
-                             f"{getattr(y, 'shape', None)}")
+        y = _state_array(y)
         bound = dataclasses.replace(self, nc=int(y.shape[1]))
         problem = _state_layout(bound, y)
+        if "fof" in bound.analyses:
+            _check_linking_length(bound, problem.pencils)
         a = jnp.asarray(a, y.dtype)
         run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype))(y, a)
         if is_traced(y, a):
@@ -275,6 +282,55 @@ class InSitu:
             raise ValueError(f"snapshot times {ts.tolist()} must be non-empty and lie in "
                              f"[{t0}, {t1}]")
         return diffrax.SaveAt(ts=jnp.asarray(ts), fn=lambda t, y, args: self(y, t))
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+            or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"InSitu({name}={value!r}): {name} must be positive and finite")
+
+
+def _check_linking_length(insitu: "InSitu", pencils: Pencils) -> None:
+    """FoF's ghost layer (the linking length ``b * box_size / nc``) must fit in a pencil,
+    and the linking length must stay below a third of the box, as :func:`jaxpm_halos.fof`
+    requires."""
+    l, box, nc = insitu.linking_length, insitu.box_size, insitu.nc
+    narrowest = min(pencils.widths)
+    if fof_ghost_width(l, box) > narrowest:
+        # ghost_width(l) = l (1 + 1e-5) + 8 eps L must not exceed the pencil side.
+        b_max = (narrowest - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5) * nc / box
+        b_max = min(b_max, nc / 3)
+        raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
+                         f"is wider than a pencil ({narrowest:g}) of the ({pencils.px}, "
+                         f"{pencils.py}) mesh; use b <= {math.floor(b_max * 1000) / 1000} or "
+                         f"fewer devices along that axis")
+    if 3 * l > box:
+        raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
+                         f"must be below a third of the box {box:g}: use b < nc / 3 = {nc / 3:g}")
+
+
+def _state_array(y):
+    """``y`` checked to be a JaxPM state ``(2, nc, nc, nc, 3)``, in float32 unless wider."""
+    if getattr(y, "ndim", None) != 5 or y.shape[0] != 2 or y.shape[-1] != 3 \
+            or not y.shape[1] == y.shape[2] == y.shape[3]:
+        raise ValueError(f"expected a JaxPM state of shape (2, nc, nc, nc, 3), got "
+                         f"{getattr(y, 'shape', None)}")
+    if jnp.issubdtype(y.dtype, jnp.floating) and jnp.finfo(y.dtype).bits >= 32:
+        return y
+    return y.astype(jnp.float32)
+
+
+def _check_k(k, nc: int | None) -> int:
+    """``k`` for knn_density: an integer, at least 2 and, once the grid is known, below the
+    particle count ``nc**3``."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"InSitu(k={k!r}): k must be an integer (knn_density's neighbours)")
+    if k < 2:
+        raise ValueError(f"InSitu(k={k}): knn_density needs k >= 2 (the estimator uses k - 1)")
+    if nc is not None and k >= nc ** 3:
+        raise ValueError(f"InSitu(k={k}): k neighbours need at least k + 1 particles; the "
+                         f"state holds nc**3 = {nc ** 3}. Use k < {nc ** 3}")
+    return int(k)
 
 
 def check(outputs, insitu: "InSitu | None" = None) -> None:

@@ -7,7 +7,7 @@ each with a ``unit`` attribute, and the root attributes describe the run:
 - ``box_size`` (Mpc/h), ``nc`` (particles per side), ``a`` (scale factor), ``redshift``,
 - ``linking_length`` (Mpc/h), ``b`` (in mean separations), ``min_members``,
 - ``num_halos``, ``format`` (``"jaxpm_halos.catalogue"``) and ``version``,
-- any extra attributes passed to :func:`write_catalogue`.
+- any extra attributes passed to :func:`write_catalogue` (under other names: :data:`RESERVED`).
 
 The cosmology and the units are dicts, stored as the attributes of two empty groups,
 ``/cosmology`` and ``/units``. :func:`load_catalogue` gives everything back as numpy arrays
@@ -49,6 +49,14 @@ INSITU_UNITS = {
 ``omega_m``, ``mass`` counts particles)."""
 
 FORMAT, VERSION = "jaxpm_halos.catalogue", 1
+
+REQUIRED = ("id", "count", "mass", "pos", "radius")
+"""Datasets every catalogue file holds (``vel`` and ``vel_disp`` are optional)."""
+
+RESERVED = ("format", "version", "box_size", "nc", "a", "redshift", "linking_length", "b",
+            "min_members", "num_halos", "cosmology", "units")
+"""Root attributes written from :func:`write_catalogue`'s own arguments (and the two group
+names :func:`load_catalogue` puts among the attributes): not allowed in ``attrs``."""
 
 
 def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.ndarray]:
@@ -178,42 +186,93 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     Returns:
       ``path`` on process 0, None on the other processes. Collective when
       ``jax.process_count() > 1``: every process must call it.
+
+    Raises:
+      ValueError: before anything is written, for a setting out of range (``box_size``,
+        ``linking_length``, ``b`` positive and finite, ``a`` in ``(0, inf)``, ``nc`` and
+        ``min_members`` positive integers), an ``attrs`` name in :data:`RESERVED`, or a
+        value HDF5 cannot store. A write that fails leaves no file behind.
     """
     import jax
 
+    root = _run_attrs(box_size, nc, a, linking_length, b, min_members)
+    extra = {}
+    for name, value in (attrs or {}).items():
+        if not isinstance(name, str):
+            raise ValueError(f"attrs: names must be strings, got {name!r}")
+        if name in RESERVED:
+            raise ValueError(f"attrs: {name!r} is reserved for write_catalogue's own "
+                             f"attributes {RESERVED}; give it another name")
+        extra[name] = _attr(value, f"attrs[{name!r}]")
+    if not isinstance(cosmology, Mapping):
+        raise ValueError(f"cosmology must be a dict of parameters, got {cosmology!r}")
+    cosmology = {str(k): _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
+    units = {str(k): str(v) for k, v in (INSITU_UNITS if units is None else units).items()}
     fields = gather_catalogue(catalogue, snapshot)
     if jax.process_index() != 0:
         return None
-    import h5py
-
-    units = dict(INSITU_UNITS if units is None else units)
-    root = {"format": FORMAT, "version": VERSION, "box_size": float(box_size), "nc": int(nc),
-            "a": float(a), "redshift": 1.0 / float(a) - 1.0,
-            "linking_length": float(linking_length), "b": float(b),
-            "min_members": int(min_members), "num_halos": int(fields["id"].shape[0])}
-    root.update({k: _attr(v) for k, v in (attrs or {}).items()})
+    root["num_halos"] = int(fields["id"].shape[0])
     path = os.fspath(path)
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with h5py.File(tmp, "w") as f:
+    try:
+        _write(tmp, fields, units, {**root, **extra}, cosmology)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def _write(path, fields, units, root, cosmology):
+    import h5py
+
+    with h5py.File(path, "w") as f:
         for name in FIELDS:
             if name in fields:
                 ds = f.create_dataset(name, data=fields[name])
                 if name in units:
                     ds.attrs["unit"] = units[name]
         f.attrs.update(root)
-        f.create_group("cosmology").attrs.update({k: _attr(v) for k, v in cosmology.items()})
-        f.create_group("units").attrs.update({k: str(v) for k, v in units.items()})
-    os.replace(tmp, path)
-    return path
+        f.create_group("cosmology").attrs.update(cosmology)
+        f.create_group("units").attrs.update(units)
 
 
-def _attr(value):
+def _run_attrs(box_size, nc, a, linking_length, b, min_members) -> dict:
+    """The validated root attributes that describe the run."""
+    from ._particles import _check_integer
+
+    values = {}
+    for name, value in (("box_size", box_size), ("a", a), ("linking_length", linking_length),
+                        ("b", b)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+        if not (value > 0 and np.isfinite(value)):
+            raise ValueError(f"{name} must be positive and finite, got {value}")
+        values[name] = value
+    return {"format": FORMAT, "version": VERSION, "box_size": values["box_size"],
+            "nc": _check_integer("nc", nc, 1), "a": values["a"],
+            "redshift": 1.0 / values["a"] - 1.0, "linking_length": values["linking_length"],
+            "b": values["b"], "min_members": _check_integer("min_members", min_members, 1)}
+
+
+def _attr(value, name: str = "attribute"):
+    """``value`` as HDF5 stores it: a number or string, or a numeric / string array."""
     if isinstance(value, (str, bytes, bool, int, float)):
         return value
     value = np.asarray(value)
+    if value.dtype.kind == "U":  # h5py stores str arrays as variable-length strings
+        import h5py
+
+        value = value.astype(h5py.string_dtype())
+    elif value.dtype.kind not in "biufcS":
+        raise ValueError(f"{name}: HDF5 attributes hold numbers, strings or arrays of them; "
+                         f"got {value.dtype} ({value!r})")
     return value.item() if value.ndim == 0 else value
 
 
@@ -245,7 +304,12 @@ class LoadedCatalogue:
 
 
 def load_catalogue(path) -> LoadedCatalogue:
-    """Read a file written by :func:`write_catalogue`."""
+    """Read a file written by :func:`write_catalogue`.
+
+    Raises ValueError, naming the problem, for a file that is not a catalogue, lacks a
+    dataset of :data:`REQUIRED` or a group, has datasets whose rows disagree, or whose
+    ``num_halos`` is not their row count.
+    """
     import h5py
 
     def plain(attrs):
@@ -254,8 +318,27 @@ def load_catalogue(path) -> LoadedCatalogue:
     with h5py.File(path, "r") as f:
         if f.attrs.get("format") != FORMAT:
             raise ValueError(f"{path} is not a jaxpm_halos catalogue file")
+        missing = [name for name in REQUIRED + ("cosmology", "units") if name not in f]
+        if missing:
+            raise ValueError(f"{path}: the catalogue file lacks {missing}")
         fields = {name: f[name][()] for name in FIELDS if name in f}
         attrs = plain(f.attrs)
         attrs["cosmology"] = plain(f["cosmology"].attrs)
         attrs["units"] = plain(f["units"].attrs)
+    _check_rows(path, fields, attrs.get("num_halos"))
     return LoadedCatalogue(fields, attrs)
+
+
+def _check_rows(path, fields, num_halos):
+    """Every field has one row per halo (``(n, 3)`` for vectors), and ``n == num_halos``."""
+    if fields["id"].ndim != 1:
+        raise ValueError(f"{path}: dataset 'id' has shape {fields['id'].shape}, not (halos,)")
+    n = fields["id"].shape[0]
+    for name, value in fields.items():
+        shape = (n, 3) if name in ("pos", "vel") else (n,)
+        if value.shape != shape:
+            raise ValueError(f"{path}: dataset {name!r} has shape {value.shape}; with {n} ids "
+                             f"it should be {shape}")
+    if num_halos != n:
+        raise ValueError(f"{path}: attribute num_halos is {num_halos!r}, but the datasets hold "
+                         f"{n} halos")

@@ -94,3 +94,78 @@ def test_load_rejects_other_files(tmp_path):
         f.create_dataset("pos", data=np.zeros((3, 3)))
     with pytest.raises(ValueError, match="not a jaxpm_halos catalogue"):
         load_catalogue(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(a=0.0), "a must be positive and finite, got 0.0"),
+    (dict(a=-0.5), "a must be positive and finite"),
+    (dict(a=float("nan")), "a must be positive and finite, got nan"),
+    (dict(a=float("inf")), "a must be positive and finite"),
+    (dict(nc=16.7), "nc must be an integer, got 16.7"),
+    (dict(nc=0), "nc must be at least 1"),
+    (dict(nc=True), "nc must be an integer"),
+    (dict(box_size=-32.0), "box_size must be positive and finite"),
+    (dict(box_size=float("inf")), "box_size must be positive and finite"),
+    (dict(b=0.0), "b must be positive and finite"),
+    (dict(linking_length=float("nan")), "linking_length must be positive and finite"),
+    (dict(min_members=2.5), "min_members must be an integer"),
+    (dict(attrs={"format": "mine"}), r"attrs: 'format' is reserved"),
+    (dict(attrs={"num_halos": 99999}), r"attrs: 'num_halos' is reserved"),
+    (dict(attrs={"cosmology": 1}), r"attrs: 'cosmology' is reserved"),
+    (dict(attrs={"note": None}), r"attrs\['note'\]: HDF5 attributes hold numbers"),
+    (dict(attrs={"note": {"x": 1}}), r"attrs\['note'\]"),
+    (dict(cosmology={"h": None}), r"cosmology\['h'\]"),
+])
+def test_bad_settings_raise_before_any_file_is_made(tmp_path, change, message):
+    cat = _catalogue(np.random.default_rng(4), 5)
+    with pytest.raises(ValueError, match=message):
+        write_catalogue(tmp_path / "bad.h5", cat, **{**META, **change})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    cat = _catalogue(np.random.default_rng(5), 5)
+    path = write_catalogue(tmp_path / "halos.h5", cat, **META)
+    before = load_catalogue(path)
+
+    def fail_midway(group, name):  # the datasets are written, the groups fail
+        raise OSError("disk full")
+
+    monkeypatch.setattr(h5py.Group, "create_group", fail_midway)
+    with pytest.raises(OSError, match="disk full"):
+        write_catalogue(path, _catalogue(np.random.default_rng(6), 9), **META)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["halos.h5"]
+    np.testing.assert_array_equal(load_catalogue(path)["id"], before["id"])  # kept as it was
+
+
+def test_string_array_attrs_round_trip(tmp_path):
+    cat = _catalogue(np.random.default_rng(7), 3)
+    got = load_catalogue(write_catalogue(tmp_path / "s.h5", cat, **META,
+                                         attrs={"labels": np.array(["a", "bc"])}))
+    assert list(got.attrs["labels"]) == ["a", "bc"] and got.attrs["num_halos"] == 3
+
+
+def _damaged(path, damage):
+    with h5py.File(path, "r+") as f:
+        damage(f)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: f.__delitem__("mass"), r"lacks \['mass'\]"),
+    (lambda f: f.__delitem__("id"), r"lacks \['id'\]"),
+    (lambda f: f.__delitem__("cosmology"), r"lacks \['cosmology'\]"),
+    (lambda f: (f.__delitem__("radius"), f.create_dataset("radius", data=np.ones(4))),
+     r"dataset 'radius' has shape \(4,\); with 5 ids it should be \(5,\)"),
+    (lambda f: (f.__delitem__("pos"), f.create_dataset("pos", data=np.ones((5, 2)))),
+     r"dataset 'pos' has shape \(5, 2\)"),
+    (lambda f: f.attrs.__setitem__("num_halos", 99999),
+     "num_halos is 99999, but the datasets hold 5 halos"),
+    (lambda f: f.attrs.__delitem__("num_halos"), "num_halos is None"),
+])
+def test_load_names_what_a_damaged_file_lacks(tmp_path, damage, message):
+    cat = _catalogue(np.random.default_rng(8), 5)
+    path = write_catalogue(tmp_path / "d.h5", cat, **META)
+    assert len(load_catalogue(path)) == 5
+    _damaged(path, damage)
+    with pytest.raises(ValueError, match=message):
+        load_catalogue(path)

@@ -1,0 +1,310 @@
+"""Hostile-but-realistic input (issue #18): far periodic images, half-precision positions,
+bad masses and arguments, excluded rows. Results are checked against scipy and numpy."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+from scipy.spatial import cKDTree
+
+import jaxpm_halos as jh
+import reference as ref
+from jaxpm_halos._geometry import wrap
+
+BOX = 100.0
+LINK = 1.0
+
+
+def _image(x: np.ndarray, box: float) -> np.ndarray:
+    """Exact periodic image in float64: fmod is exact, and for |x| >= L the image is a
+    multiple of ulp(L) below L, so it is a float32."""
+    r = np.fmod(np.asarray(x, np.float64), box)
+    return np.where(r < 0, r + box, r)
+
+
+def _far_layout(seed=0, n=1024):
+    """Clumps whose first member's x, y or z is written as a far periodic image (1e4 L to
+    1e28 L away), over a uniform background. Returns (input, true positions)."""
+    rng = np.random.default_rng(seed)
+    far = np.float32([-4.6233114e9, 3.3e12, -1e30, 1e30, 7.7e15, -2.5e7, 1.2345e20, 6e6])
+    axis = np.arange(len(far)) % 3
+    centres = rng.uniform(10, BOX - 10, (len(far), 3))
+    centres[np.arange(len(far)), axis] = _image(far, BOX)
+    clumps = [c + rng.normal(0, 0.3, (31, 3)) for c in centres]
+    for c, clump in zip(centres, clumps):
+        clump[0] = c
+    background = rng.uniform(0, BOX, (n - 31 * len(far), 3))
+    true = np.concatenate(clumps + [background]).astype(np.float32)
+    true = np.where(true >= BOX, true - BOX, np.where(true < 0, true + BOX, true))
+    given = true.copy()
+    given[np.arange(len(far)) * 31, axis] = far
+    return given, true.astype(np.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_wrap_is_exact_for_far_images_and_unchanged_in_the_box(jit):
+    fn = jax.jit(lambda x: wrap(x, BOX)) if jit else (lambda x: wrap(jnp.asarray(x), BOX))
+    rng = np.random.default_rng(1)
+    far = np.concatenate([np.float32([-4.6233114e9, 1e30, -1e30, 3.4e38, -3.4e38, 1e10]),
+                          (rng.choice([-1, 1], 2000) * 10.0 ** rng.uniform(3, 38, 2000))])
+    far = far.astype(np.float32)
+    got = np.asarray(fn(far))
+    assert got[0] == 40.0
+    assert np.all((got >= 0) & (got < BOX))
+    np.testing.assert_array_equal(got, _image(far, BOX).astype(np.float32))
+    # Near the box: the correctly rounded image, -L and L to +0, inside unchanged bitwise.
+    near = np.concatenate([rng.uniform(-4 * BOX, 4 * BOX, 20000),
+                           [-BOX, BOX, -2 * BOX, 0.0, -0.0, 1e-30, -1e-30]]).astype(np.float32)
+    got = np.asarray(fn(near))
+    image = _image(near, BOX).astype(np.float32)
+    want = np.where((near >= 0) & (near < BOX), near, np.where(image >= BOX, 0, image) + 0.0)
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+    assert np.isnan(np.asarray(fn(np.float32([np.nan, np.inf, -np.inf])))).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+def test_far_images_give_scipys_groups_and_neighbours(shape):
+    given, true = _far_layout()
+    mesh = None if shape is None else make_mesh(shape)
+    x = given if mesh is None else jax.device_put(given, NamedSharding(mesh, P(("x", "y"))))
+    labels, cat = jh.fof(x, BOX, LINK, min_members=20)
+    want = ref.fof_labels(true, BOX, LINK)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    assert np.all(np.bincount(want)[want[::31][:8]] >= 31)
+    assert bool(cat.status.ok)
+    dist, idx = jh.knn(x, BOX, 8)
+    want_dist, _ = cKDTree(true.astype(np.float64), boxsize=BOX).query(true, k=9)
+    np.testing.assert_allclose(np.asarray(dist), want_dist[:, 1:], rtol=4e-7, atol=1e-4)
+
+
+
+def _half(dtype):
+    """The far layout's true positions, velocities and masses in ``dtype``, their float32
+    values (positions that rounded up to L wrapped to 0), and them sharded on (2, 4)."""
+    _, true = _far_layout()
+    rng = np.random.default_rng(2)
+    half = [jnp.asarray(a, dtype) for a in
+            (true, rng.normal(0, 3, true.shape), rng.uniform(0.5, 2, len(true)))]
+    pos32, vel32, mass32 = (np.asarray(a.astype(jnp.float32)) for a in half)
+    pos32 = np.where(pos32 >= BOX, np.float32(0), pos32)
+    sharded = jax.device_put(half[0], NamedSharding(make_mesh((2, 4)), P(("x", "y"))))
+    return half, (pos32, vel32, mass32), sharded
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_fof_is_computed_in_float32(dtype):
+    """float16 / bfloat16 positions, velocities and masses give scipy's groups and numpy's
+    catalogue of their float32 values, in float32."""
+    (_, vel, mass), (pos32, vel32, mass32), sharded = _half(dtype)
+    link = ref.unambiguous_linking_length(pos32, BOX, LINK)
+    labels, cat = jh.fof(sharded, BOX, link, vel=vel, mass=mass, min_members=20)
+    want = ref.fof_labels(pos32, BOX, link)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    got, want_cat = cat.to_numpy(), ref.catalogue(pos32, BOX, want, 20, vel32, mass32)
+    assert got["mass"].dtype == np.float32 and got["vel"].dtype == np.float32
+    np.testing.assert_array_equal(got["id"], want_cat["id"])
+    np.testing.assert_allclose(got["mass"], want_cat["mass"], rtol=2e-6)
+    np.testing.assert_allclose(got["vel"], want_cat["vel"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["radius"], want_cat["radius"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_knn_is_computed_in_float32(dtype):
+    _, (pos32, _, _), sharded = _half(dtype)
+    dist, _ = jh.knn(sharded, BOX, 8)
+    assert dist.dtype == jnp.float32
+    want_dist, _ = cKDTree(pos32.astype(np.float64), boxsize=BOX).query(pos32, k=9)
+    np.testing.assert_allclose(np.asarray(dist), want_dist[:, 1:], rtol=4e-7, atol=1e-4)
+
+
+def _without(pos, bad, link, box=BOX):
+    """scipy's labels of the rows not in ``bad`` (as input indices), -1 for ``bad``."""
+    keep = np.ones(len(pos), bool)
+    keep[bad] = False
+    want = np.full(len(pos), -1)
+    want[keep] = np.nonzero(keep)[0][ref.fof_labels(pos[keep], box, link)]
+    return want
+
+
+@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+def test_excluded_rows_have_label_minus_one_under_jit(shape):
+    """Row 0 is the first member of a 31-member group: its label 0 is a real group id."""
+    _, true = _far_layout()
+    bad = true.copy()
+    bad[0] = np.nan
+    bad[40, 1] = np.inf
+    bad[-1, 2] = -np.inf
+    mesh = None if shape is None else make_mesh(shape)
+    x = bad if mesh is None else jax.device_put(bad, NamedSharding(mesh, P(("x", "y"))))
+    labels, cat = jax.jit(lambda p: jh.fof(p, BOX, LINK, min_members=20, mesh=mesh))(x)
+    assert int(cat.status.nonfinite) == 3
+    np.testing.assert_array_equal(np.asarray(labels), _without(true, [0, 40, len(true) - 1],
+                                                               LINK))
+    with pytest.raises(jh.InvalidInputError, match="3 particle positions"):
+        jh.fof(x, BOX, LINK, min_members=20, mesh=mesh)
+
+
+def test_excluded_rows_have_label_minus_one_in_situ_under_jit():
+    nc, box = 8, 8.0
+    rng = np.random.default_rng(4)
+    disp = rng.uniform(-0.3, 0.3, (nc, nc, nc, 3)).astype(np.float32)
+    lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    clump = np.flatnonzero(lattice.sum(1) % 5 == 0)[:40]  # 40 particles gathered at one spot
+    disp.reshape(-1, 3)[clump] = np.array([2.0, 5.0, 3.0]) + rng.uniform(
+        -0.05, 0.05, (len(clump), 3)) - lattice[clump]
+    disp.reshape(-1, 3)[clump[0]] = np.nan
+    disp[7, 7, 7, 0] = np.inf
+    mesh = make_mesh((2, 4))
+    y = jax.device_put(np.stack([disp, np.zeros_like(disp)]),
+                       NamedSharding(mesh, P(None, "x", "y")))
+    insitu = jh.InSitu(box_size=box, analyses=("fof",), min_members=20)
+    labels = jax.jit(lambda s: insitu(s, 1.0)["fof"]["labels"])(y)
+    pos = np.asarray(jh.from_jaxpm(y, box_size=box).pos).reshape(-1, 3)
+    bad = [clump[0], nc ** 3 - 1]
+    want = _without(np.nan_to_num(pos), bad, 0.2 * box / nc, box)
+    assert np.bincount(want[want >= 0]).max() == 39
+    np.testing.assert_array_equal(np.asarray(labels).reshape(-1), want)
+
+
+@pytest.mark.parametrize("k, message", [
+    (1, r"InSitu\(k=1\): knn_density needs k >= 2"),
+    (0, r"InSitu\(k=0\): knn_density needs k >= 2"),
+    (-3, r"knn_density needs k >= 2"),
+    (2.5, r"InSitu\(k=2.5\): k must be an integer"),
+    (True, r"k must be an integer"),
+    ("16", r"k must be an integer"),
+])
+def test_insitu_rejects_a_bad_k_at_construction(k, message):
+    with pytest.raises(ValueError, match=message):
+        jh.InSitu(box_size=16.0, k=k)
+    jh.InSitu(box_size=16.0, analyses=("fof",), k=k)  # k is knn_density's only
+    assert jh.InSitu(box_size=16.0, k=np.int64(2)).k == 2
+
+
+@pytest.mark.parametrize("k", [64, 65, 1000])
+def test_insitu_rejects_k_of_at_least_the_particle_count(k):
+    y = jnp.zeros((2, 4, 4, 4, 3), jnp.float32)
+    with pytest.raises(ValueError, match=rf"InSitu\(k={k}\): .*nc\*\*3 = 64\. Use k < 64"):
+        jh.InSitu(box_size=16.0, analyses=("knn_density",), k=k)(y)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(b=float("inf")), r"InSitu\(b=inf\): b must be positive and finite"),
+    (dict(b=float("nan")), r"InSitu\(b=nan\): b must be positive and finite"),
+    (dict(b=0.0), r"b must be positive and finite"),
+    (dict(b="0.2"), r"b must be positive and finite"),
+    (dict(omega_m=-0.3), r"InSitu\(omega_m=-0.3\): omega_m must be positive and finite"),
+    (dict(omega_m=float("nan")), r"omega_m must be positive and finite"),
+    (dict(min_members=2.5), r"min_members must be an integer, got 2.5"),
+    (dict(min_members="2"), r"min_members must be an integer, got '2'"),
+    (dict(min_members=True), r"min_members must be an integer, got True"),
+    (dict(min_members=0), r"min_members must be at least 1, got 0"),
+])
+def test_insitu_rejects_bad_settings_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jh.InSitu(box_size=16.0, **kwargs)
+    insitu = jh.InSitu(box_size=16.0, min_members=np.int64(7), b=np.float32(0.25))
+    assert insitu.min_members == 7 and type(insitu.min_members) is int
+
+
+@pytest.mark.parametrize("b, shape, message", [
+    (10, (2, 4), r"InSitu\(b=10\): the linking length b \* box_size / nc = 10 is wider than "
+                 r"a pencil \(4\) of the \(2, 4\) mesh; use b <= 3\.999 or fewer devices"),
+    (4.5, (8, 1), r"wider than a pencil \(2\) of the \(8, 1\) mesh; use b <= 1\.999"),
+    (6, (1, 1), r"InSitu\(b=6\): the linking length b \* box_size / nc = 6 must be below a "
+                r"third of the box 16: use b < nc / 3 = 5\.33333"),
+])
+def test_insitu_names_b_when_the_linking_length_does_not_fit(b, shape, message):
+    mesh = make_mesh(shape)
+    y = jax.device_put(jnp.zeros((2, 16, 16, 16, 3)), NamedSharding(mesh, P(None, "x", "y")))
+    with pytest.raises(ValueError, match=message):
+        jh.InSitu(box_size=16.0, analyses=("fof",), b=b)(y)
+
+
+def test_insitu_takes_an_integer_state_as_float32():
+    """Integer displacements stack particles on lattice points: groups of coincident
+    particles, as scipy finds them."""
+    nc, box = 8, 8.0
+    rng = np.random.default_rng(6)
+    lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    movers = rng.choice(nc ** 3, 60, replace=False)
+    disp = np.zeros((nc ** 3, 3), np.int32)
+    disp[movers] = np.array([2, 5, 3]) - lattice[movers]  # 60 particles onto (2, 5, 3)
+    disp = disp.reshape(nc, nc, nc, 3)
+    y = jax.device_put(np.stack([disp, np.zeros_like(disp)]),
+                       NamedSharding(make_mesh((2, 4)), P(None, "x", "y")))
+    out = jh.InSitu(box_size=box, analyses=("fof",), min_members=20)(y)
+    pos = np.asarray(jh.from_jaxpm(y.astype(jnp.float32), box_size=box).pos).reshape(-1, 3)
+    want = ref.fof_labels(pos, box, 0.2 * box / nc)
+    np.testing.assert_array_equal(np.asarray(out["fof"]["labels"]).reshape(-1), want)
+    assert np.bincount(want).max() >= 60
+    np.testing.assert_array_equal(out["fof"]["catalogue"].to_numpy()["count"],
+                                  [np.bincount(want).max()])
+
+
+@pytest.mark.parametrize("min_members", [2.5, "2", True, 20.0])
+def test_fof_requires_an_integer_min_members(min_members):
+    _, true = _far_layout()
+    with pytest.raises(ValueError, match=rf"min_members must be an integer, got "
+                                         rf"{re.escape(repr(min_members))}"):
+        jh.fof(true, BOX, LINK, min_members=min_members)
+
+
+def test_velocities_and_masses_may_be_lists():
+    _, true = _far_layout()
+    rng = np.random.default_rng(9)
+    vel, mass = rng.normal(0, 3, true.shape), rng.uniform(0.5, 2, len(true))
+    labels, cat = jh.fof(true, BOX, LINK, vel=vel.tolist(), mass=mass.tolist(),
+                         min_members=np.int64(20))
+    want = ref.fof_labels(true, BOX, LINK)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    got, want_cat = cat.to_numpy(), ref.catalogue(true, BOX, want, 20, vel, mass)
+    np.testing.assert_array_equal(got["count"], want_cat["count"])
+    np.testing.assert_allclose(got["mass"], want_cat["mass"], rtol=2e-6)
+    np.testing.assert_allclose(got["vel"], want_cat["vel"], rtol=1e-5, atol=1e-5)
+
+
+def _bad_masses():
+    _, true = _far_layout()
+    mass = np.random.default_rng(10).uniform(0.5, 2, len(true)).astype(np.float32)
+    bad = mass.copy()
+    bad[0], bad[40], bad[500] = np.nan, -1.0, np.inf  # row 0: first member of a group
+    return true, mass, bad
+
+
+@pytest.mark.parametrize("mass", ["rows", "scalar"])
+def test_bad_masses_raise_outside_jit(mass):
+    true, _, bad = _bad_masses()
+    given, count = (bad, 3) if mass == "rows" else (np.float32(-2.0), 1)
+    message = rf"{count} particle masses are NaN, inf or negative"
+    with pytest.raises(jh.InvalidInputError, match=message):
+        jh.fof(true, BOX, LINK, mass=given)
+    with pytest.raises(jh.InvalidInputError, match=message):
+        jh.knn_density(true, BOX, 8, mass=jnp.asarray(given))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
+    true, mass, bad = _bad_masses()
+    mesh = None if shape is None else make_mesh(shape)
+    rows = NamedSharding(mesh, P(("x", "y"))) if mesh else None
+    x, m = (a if mesh is None else jax.device_put(a, rows) for a in (true, bad))
+    labels, cat = jax.jit(lambda p, w: jh.fof(p, BOX, LINK, mass=w, min_members=20,
+                                              mesh=mesh))(x, m)
+    assert int(cat.status.nonfinite) == 3 and not bool(cat.status.ok)
+    want = _without(true, [0, 40, 500], LINK)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    keep = want >= 0
+    got = cat.to_numpy()
+    want_cat = ref.catalogue(true[keep], BOX, np.searchsorted(np.nonzero(keep)[0], want[keep]),
+                             20, mass=mass[keep])
+    np.testing.assert_allclose(got["mass"], want_cat["mass"], rtol=2e-6)
+    rho, status = jax.jit(lambda p, w: jh.knn_density(p, BOX, 8, mass=w, mesh=mesh,
+                                                      with_status=True))(x, m)
+    assert int(status.nonfinite) == 3
+    rho = np.asarray(rho)
+    assert np.isnan(rho[[0, 40, 500]]).all() and np.isfinite(rho[keep]).all()
