@@ -314,7 +314,8 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     if is_traced(args):
         labels, catalogue = run(config)
     else:
-        (labels, catalogue), _ = run_growing(run, config, lambda out: out[1].status, grow=grow)
+        (labels, catalogue), _ = run_growing(run, config, lambda out: out[1].status.failure(),
+                                                  grow=grow)
     return trim_padding(problem, labels), catalogue
 
 

@@ -176,7 +176,8 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
     if is_traced(args):
         out = run(config)
     else:
-        out, _ = run_growing(run, config, lambda o: o["status"], grow=grow, stacklevel=4)
+        out, _ = run_growing(run, config, lambda o: o["status"].failure(), grow=grow,
+                             stacklevel=4)
     values, status = out["values"], out["status"]
     key = {"neighbours": None, "density": "rho", "reduce": "value"}[output]
     result = (values["dist"], values["idx"]) if key is None else values[key]

@@ -24,16 +24,16 @@ class GrowthWarning(UserWarning):
     """Buffers were grown and the call rerun: pass the config named to skip the reruns."""
 
 
-def run_growing(call: Callable, config, status_of: Callable, *, grow: bool,
+def run_growing(call: Callable, config, failure_of: Callable, *, grow: bool,
                 error: Callable | None = None, spell: Callable | None = None,
                 stacklevel: int = 3):
-    """``call(config) -> result``, rerun with grown buffers until ``status_of(result)``
-    is ok.
+    """``call(config) -> result``, rerun with grown buffers until ``failure_of(result)``
+    is None.
 
     Args:
       call: runs the computation with a config (outside ``jit``).
       config: the caller's config (a frozen dataclass holding every knob that can grow).
-      status_of: the :class:`~._status.Status` of a result.
+      failure_of: the first :class:`~._status.Failure` of a result, or None.
       grow: False raises at the first failure instead (``CapacityError`` naming a fit).
       error: ``error(failure, config) -> Exception``; default: the failure's own error,
         spelling the suggestion as ``config=...``.
@@ -48,7 +48,7 @@ def run_growing(call: Callable, config, status_of: Callable, *, grow: bool,
     start, seen = config, set()
     for _ in range(MAX_ROUNDS):
         result = call(config)
-        failure = status_of(result).failure()
+        failure = failure_of(result)
         if failure is None:
             break
         if not grow or failure.kind is not FailureKind.OVERFLOW:

@@ -178,10 +178,14 @@ class Status:
         return good
 
     def merge(self, other: "Status") -> "Status":
-        """Both statuses' buffers (``self``'s first) and the larger exclusion count."""
-        needed = dict(self.needed)
-        needed.update(other.needed)
-        limits = self.limits + tuple(item for item in other.limits if item[0] not in self.needed)
+        """Both statuses' buffers (``self``'s first) and the larger exclusion count. A
+        name in both must be the same buffer (the same limit)."""
+        mine = dict(self.limits)
+        for name, limit in other.limits:
+            if name in mine and mine[name] != limit:
+                raise ValueError(f"two different buffers are both named {name!r}")
+        needed = {**self.needed, **other.needed}
+        limits = self.limits + tuple(item for item in other.limits if item[0] not in mine)
         return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite), limits)
 
     def failure(self) -> Failure | None:

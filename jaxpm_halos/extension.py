@@ -261,7 +261,7 @@ class InSitu:
         if is_traced(y, a):
             out = run(bound)
         else:
-            out, _ = run_growing(run, bound, _merged_status, grow=grow, error=_error,
+            out, _ = run_growing(run, bound, _first_failure, grow=grow, error=_error,
                                  spell=_spelling)
         if bound.save_state:
             out["state"] = y
@@ -342,7 +342,7 @@ def check(outputs, insitu: "InSitu | None" = None) -> None:
     the one knob changed (earlier fixes kept); without it, the default config with that
     knob. ``outputs`` may be the whole output or any part of it.
     """
-    failure = _merged_status(outputs).failure()
+    failure = _first_failure(outputs)
     if failure is not None:
         raise _error(failure, insitu)
 
@@ -350,14 +350,14 @@ def check(outputs, insitu: "InSitu | None" = None) -> None:
 _CONFIG_FIELD = {DomainConfig: "domain", FoFConfig: "fof", KNNConfig: "knn"}
 
 
-def _merged_status(outputs) -> Status:
-    """Every :class:`Status` in ``outputs`` as one (each buffer once, pipeline order)."""
-    statuses = [x for x in jax.tree.leaves(outputs, is_leaf=lambda x: isinstance(x, Status))
-                if isinstance(x, Status)]
-    merged = Status({}, jnp.int32(0), ())
-    for status in statuses:
-        merged = merged.merge(status)
-    return merged
+def _first_failure(outputs):
+    """The first failure of any :class:`Status` in ``outputs`` (each analysis's own, which
+    covers the shared decomposition too), or None."""
+    for status in jax.tree.leaves(outputs, is_leaf=lambda x: isinstance(x, Status)):
+        failure = status.failure() if isinstance(status, Status) else None
+        if failure is not None:
+            return failure
+    return None
 
 
 def _error(failure, insitu: "InSitu | None") -> Exception:
