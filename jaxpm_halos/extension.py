@@ -46,6 +46,7 @@ from ._frontend import local_fields, prepare, program_cache
 from ._geometry import grid_to_box
 from ._layout import Pencils, width_fraction
 from ._particles import Particles
+from ._saveloop import pin_to_save_loop
 from ._status import Limit, Status, is_traced
 from . import units
 
@@ -364,7 +365,10 @@ def _compiled(insitu: InSitu, problem, dtype):
     kinds = _leaf_kinds(selected, shapes)
     out_specs = {"a": P(), "domain": P(),
                  **jax.tree.map(lambda kind: spec_of[kind], kinds)}
-    return jax.jit(lambda y, a: layout.run(device, (y, a), (state_spec, P()), out_specs))
+    # Pinned: inside a diffrax SaveAt with one save time, XLA would otherwise hoist the
+    # analyses out of diffrax's save loop and run them at every solver step.
+    return jax.jit(lambda y, a: layout.run(device, (pin_to_save_loop(y), a),
+                                           (state_spec, P()), out_specs))
 
 
 def _ghost_rows(insitu: InSitu, pencils: Pencils, n0: int, width: float) -> int:
