@@ -326,6 +326,29 @@ def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
     assert per_save > 0, "the analyses' sorts should be found in diffrax's save loop"
 
 
+@pytest.mark.parametrize("saveat_fn", ["insitu_switchable", "user_sort"])
+def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat_fn):
+    """The same through the demo's run_simulation, whose SaveAt also saves t1 and whose
+    switchable_saveat_fn wraps the analyses in a lax.cond; and for any saveat_fn there (here
+    a sort of the displacements along z)."""
+    from hlo import save_loop_counts
+    from jaxpm_halos.demo import run_simulation, switchable_saveat_fn
+
+    nc, box = 16, 32.0
+    mesh = make_mesh((2, 4))
+    if saveat_fn == "insitu_switchable":
+        insitu = InSitu(box_size=box, analyses=("fof",), min_members=5)
+        kwargs = dict(saveat_fn=switchable_saveat_fn(insitu, [1.0]),
+                      saveat_inputs=jnp.ones(1, bool))
+    else:
+        kwargs = dict(saveat_fn=lambda a, y, cosmo: jnp.sort(y[0, ..., 0], axis=-1))
+    with _quiet():
+        result = run_simulation(nc, box, 2, [1.0], mesh=mesh, **kwargs)
+    per_step, per_save = save_loop_counts(result.compiled.as_text(), "sort")
+    assert per_step == 0, f"{per_step} sorts run at every step ({per_save} in the save loop)"
+    assert per_save > 0, "the saveat_fn's sorts should be found in diffrax's save loop"
+
+
 # ----------------------------------------------------------------------------------------
 # Bad input
 
