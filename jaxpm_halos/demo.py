@@ -72,6 +72,8 @@ class SimulationResult:
       compile_s, run_s: seconds spent compiling and running the jitted simulation.
       rerun: ``rerun(saveat_inputs) -> (state, saved, seconds)`` runs the compiled
         simulation again (same seed and initial field) with other ``saveat_inputs``.
+      compiled: the compiled simulation (``jax.stages.Compiled``; ``.as_text()`` is its
+        optimised HLO).
     """
 
     state: Any
@@ -87,6 +89,7 @@ class SimulationResult:
     compile_s: float
     run_s: float
     rerun: Callable = dataclasses.field(default=None, repr=False)
+    compiled: Any = dataclasses.field(default=None, repr=False)
 
 
 def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] = (), mesh=None,
@@ -172,7 +175,7 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
             fn = saveat_fn or _identity
             if saveat_inputs is not None:
                 fn = lambda t, y, args: saveat_fn(t, y, args, saveat_inputs)  # noqa: E731
-            subs.append(diffrax.SubSaveAt(ts=jnp.asarray(snapshots), fn=fn))
+            subs.append(diffrax.SubSaveAt(ts=jnp.asarray(snapshots), fn=_pinned(fn)))
         sol = diffrax.diffeqsolve(
             ode, diffrax.LeapfrogMidpoint(), t0=a_init, t1=a_final, dt0=None,
             y0=jnp.stack([dx, p], axis=0), args=cosmo, saveat=diffrax.SaveAt(subs=subs),
@@ -221,7 +224,7 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
 
     final, saved, run_s = rerun()
     return SimulationResult(final, snapshots, saved, a_final, mesh, sharding, float(box), nc,
-                            omega_m, halo_size, compile_s, run_s, rerun)
+                            omega_m, halo_size, compile_s, run_s, rerun, compiled)
 
 
 def default_halo_size(nc: int, box: float, block: int, stray_mpc: float = 20.0) -> int:
@@ -248,6 +251,15 @@ def default_halo_size(nc: int, box: float, block: int, stray_mpc: float = 20.0) 
 
 def _identity(t, y, args):
     return y
+
+
+def _pinned(fn):
+    """``fn`` reading the state through :func:`jaxpm_halos._saveloop.pin_to_save_loop`:
+    with one snapshot, XLA would otherwise hoist ``fn`` out of diffrax's save loop and run
+    it at every PM step."""
+    from ._saveloop import pin_to_save_loop
+
+    return lambda t, y, args: fn(t, pin_to_save_loop(y), args)
 
 
 def default_mesh_shape(n_devices: int) -> tuple[int, int]:

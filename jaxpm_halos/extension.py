@@ -49,6 +49,7 @@ from ._layout import Pencils
 from ._particles import Particles, _check_integer
 from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
+from ._saveloop import pin_to_save_loop
 from ._status import Status, is_traced, spell_config
 from . import units
 
@@ -420,7 +421,9 @@ def _compiled(insitu: InSitu, problem, dtype):
         return {"a": a, **outputs}, {"a": "replicated", **kinds}
 
     state_spec = P(None, *layout.spec, None)
-    return jax.jit(lambda y, a: run_sharded(layout, device, (y, a), (state_spec, P())))
+    # pin_to_save_loop: see _saveloop (one save time ran the analyses at every step).
+    return jax.jit(lambda y, a: run_sharded(layout, device, (pin_to_save_loop(y), a),
+                                            (state_spec, P())))
 
 
 def _grid_positions(disp, pencils: Pencils, nc: int):

@@ -1,0 +1,101 @@
+"""Cost of the in-situ analyses inside diffeqsolve against the number of save times.
+
+The README's in-situ recipe (64^3 in 128 Mpc/h, 2LPT to a = 0.1, LeapfrogMidpoint, mesh
+(2, 4)) with ``insitu.saveat(ts)``, against the same solve saving only the states at ``ts``
+(``diffrax.SaveAt(ts=ts)``), and the analyses alone on the final state. Issue #19: with one
+save time the analyses used to run at every PM step. Nothing is cached on disk.
+
+    python benchmarks/insitu_save_times.py [--nc 64] [--box 128] [--steps 10]
+        [--ts 1.0 0.5,1.0 0.2,0.4,0.6,0.8,1.0] [--repeats 3]
+"""
+
+import argparse
+import os
+import time
+import warnings
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import diffrax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jax_cosmo as jc  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jaxpm.kernels import interpolate_power_spectrum  # noqa: E402
+from jaxpm.pm import linear_field, lpt, make_diffrax_ode  # noqa: E402
+
+import jaxpm_halos  # noqa: E402
+
+
+def recipe(nc, box, steps, mesh, saveat):
+    """The README's ``simulate`` with another ``saveat``, jitted."""
+    sharding = NamedSharding(mesh, P("x", "y"))
+
+    @jax.jit
+    def simulate(seed):
+        k = jnp.logspace(-4, 1, 128)
+        pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=0.25, sigma8=0.8), k)
+        field = linear_field((nc,) * 3, [box] * 3,
+                             lambda x: interpolate_power_spectrum(x, k, pk, sharding),
+                             seed=jax.random.PRNGKey(seed), sharding=sharding)
+        cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
+        dx, p, _ = lpt(cosmo, field, a=0.1, order=2, halo_size=16, sharding=sharding)
+        ode = diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False,
+                                               halo_size=16, sharding=sharding))
+        sol = diffrax.diffeqsolve(
+            ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=jnp.stack([dx, p]),
+            args=cosmo, saveat=saveat,
+            stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
+            max_steps=steps, throw=False)
+        return sol.ys, sol.result == diffrax.RESULTS.successful
+
+    return simulate
+
+
+def min_time(fn, repeats):
+    """Seconds: the first call (compiles) and the fastest of ``repeats`` more."""
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    first = time.perf_counter() - t
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return out, first, best
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nc", type=int, default=64)
+    parser.add_argument("--box", type=float, default=128.0)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--ts", nargs="+", default=["1.0", "0.5,1.0", "0.2,0.4,0.6,0.8,1.0"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", "Explicitly requested dtype.*int64")
+    warnings.filterwarnings("ignore", "invalid value encountered in cast")
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    insitu = jaxpm_halos.InSitu(box_size=args.box, analyses=("fof", "knn_density"), b=0.2,
+                                min_members=20, k=16, omega_m=0.25 + 0.0486)
+    print(f"{args.nc}^3, {args.box:g} Mpc/h, {args.steps} steps, mesh (2, 4); "
+          f"min of {args.repeats}", flush=True)
+    final = None
+    for spec in args.ts:
+        ts = [float(v) for v in spec.split(",")]
+        off = recipe(args.nc, args.box, args.steps, mesh, diffrax.SaveAt(ts=jnp.asarray(ts)))
+        on = recipe(args.nc, args.box, args.steps, mesh, insitu.saveat(ts, t0=0.1, t1=1.0))
+        (states, _), _, t_off = min_time(lambda: off(0), args.repeats)
+        final = states[-1]
+        (out, ok), first, t_on = min_time(lambda: on(0), args.repeats)
+        assert bool(ok)
+        jaxpm_halos.check_insitu(out, insitu)
+        print(f"ts={ts}: solve {t_on:.2f} s with the analyses, {t_off:.2f} s without; "
+              f"extra {t_on - t_off:.2f} s = {(t_on - t_off) / len(ts):.2f} s per snapshot "
+              f"(first call {first:.0f} s)", flush=True)
+    _, _, alone = min_time(lambda: insitu(final, 1.0), args.repeats)
+    print(f"the analyses alone on the final state: {alone:.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
