@@ -56,8 +56,10 @@ def correct_jaxpm_adjoints() -> bool:
     default adjoint through ``lpt`` and ``make_diffrax_ode`` agree with forward mode and
     with one device. Forward values (and forward-mode derivatives) are unchanged.
 
-    Functions already traced and compiled keep the transpose they were built with: call
-    this before the first ``jax.grad`` (``jax.jit`` caches compiled programs).
+    The first call clears JAX's tracing and compilation caches (``jax.clear_caches()``):
+    JAX caches the transpose of a jitted function such as ``cic_paint_dx`` by its jaxpr, so
+    a gradient traced earlier would otherwise keep jaxdecomp's rule. Calling it once at
+    start-up, before tracing, avoids recompiling what was already compiled.
 
     Idempotent: a second call does nothing and returns False.
 
@@ -74,6 +76,9 @@ def correct_jaxpm_adjoints() -> bool:
         forward = _jaxdecomp_halo_module()
         adjoint = _make_adjoint_primitive(forward)
         _register_transposes(forward, adjoint)
+        # JAX caches transposed jaxprs (and compiled programs) by the forward jaxpr: a
+        # gradient traced before this call would keep the old rule. Drop those caches once.
+        jax.clear_caches()
         _INSTALLED.update(forward=forward.spmd_halo_primitive.primitive, adjoint=adjoint)
         return True
 
