@@ -10,10 +10,16 @@ mean log density, S = mean(log rho_kNN). ``jax.grad`` gives dS/d delta_L at ever
 one reverse pass (diffrax's default RecursiveCheckpointAdjoint), on the mesh (8 CPU host
 devices when only a CPU is present).
 
-The distributed gradient is checked against the same gradient on one device. It prints the
-time of one gradient (compiled, warm), its peak memory (XLA temporaries per device, from
+The distributed gradient is checked against forward mode on the mesh (``<grad, v>`` against
+``jax.jvp`` with ``diffrax.ForwardMode`` along a random v) and against the same gradient on
+one device, cell by cell. The one-device run rounds differently, and a particle whose k-th
+neighbour changes at a near-tie has a different density gradient (S is smooth only while
+neighbour sets hold); the script counts those particles. It prints the time of one
+gradient (compiled, warm), its peak memory (XLA temporaries per device, from
 ``compile().memory_analysis()``), and its cost in PM steps (the gradient's time over one
-step of the same solve without analyses).
+step of the same solve without analyses). With one save time, diffrax 0.7.2 evaluates
+the save function (the kNN density) at every step, forward and backward, which dominates
+that cost at these sizes.
 
 Reverse mode through distributed JaxPM needs ``jaxpm_halos.correct_jaxpm_adjoints()``
 (called first here): jaxdecomp 0.2.9's halo exchange has a wrong transpose.
@@ -40,8 +46,10 @@ from jaxpm.pm import linear_field, lpt, make_diffrax_ode  # noqa: E402
 import jaxpm_halos  # noqa: E402
 
 
-def solve(delta, *, nc, steps, sharding, halo, saveat):
-    """``sol.ys`` of JaxPM from the linear field ``delta`` ``(nc, nc, nc)`` at a = 0.1..1."""
+def solve(delta, *, nc, steps, sharding, halo, saveat, adjoint=None):
+    """``sol.ys`` of JaxPM from the linear field ``delta`` ``(nc, nc, nc)`` at a = 0.1..1.
+
+    ``adjoint``: diffrax's (default RecursiveCheckpointAdjoint, for reverse mode)."""
     cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
     dx, p, _ = lpt(cosmo, delta, a=0.1, order=2, halo_size=halo, sharding=sharding)
     ode = diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False,
@@ -50,13 +58,15 @@ def solve(delta, *, nc, steps, sharding, halo, saveat):
         ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=jnp.stack([dx, p]),
         args=cosmo, saveat=saveat,
         stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
-        max_steps=steps, throw=False).ys
+        max_steps=steps, throw=False,
+        **({} if adjoint is None else {"adjoint": adjoint})).ys
 
 
 def statistic(delta, *, insitu, **solve_args):
-    """S = mean log kNN density at a = 1, computed in situ: a scalar."""
+    """(S, state): S = mean log kNN density at a = 1 computed in situ (a scalar), and the
+    state ``(2, nc, nc, nc, 3)`` at a = 1 (``insitu`` must have ``save_state=True``)."""
     out = solve(delta, saveat=insitu.saveat([1.0], t0=0.1, t1=1.0), **solve_args)
-    return jnp.mean(jnp.log(out["knn_density"]["density"]))
+    return jnp.mean(jnp.log(out["knn_density"]["density"])), out["state"][-1]
 
 
 def measure(fn, *args, repeats=3):
@@ -81,6 +91,71 @@ def initial_field(nc, box, sharding):
         seed=jax.random.PRNGKey(0), sharding=sharding))()
 
 
+def gradients(delta, v, *, args, mesh, halo):
+    """On the mesh: the gradient with its figures, and forward mode's derivative along v."""
+    sharding = NamedSharding(mesh, P("x", "y"))
+    insitu = jaxpm_halos.InSitu(box_size=args.box, analyses=("knn_density",), k=args.k,
+                                mesh=mesh, save_state=True)
+    common = dict(nc=args.nc, steps=args.steps, sharding=sharding, halo=halo)
+    stat = lambda d, **kw: statistic(d, insitu=insitu, **common, **kw)  # noqa: E731
+    ((value, state), grad), compile_s, grad_s, grad_mem = measure(
+        jax.value_and_grad(stat, has_aux=True), delta)
+    _, _, forward_s, forward_mem = measure(lambda d: stat(d)[0], delta)
+    _, _, solve_s, solve_mem = measure(
+        lambda d: solve(d, saveat=diffrax.SaveAt(t1=True), **common), delta)
+    tangent = jax.jit(lambda d, v: jax.jvp(
+        lambda d: stat(d, adjoint=diffrax.ForwardMode())[0], (d,), (v,))[1])(delta, v)
+    return dict(value=value, state=state, grad=grad, tangent=tangent, compile_s=compile_s,
+                grad_s=grad_s, grad_mem=grad_mem, forward_s=forward_s,
+                forward_mem=forward_mem, solve_s=solve_s, solve_mem=solve_mem)
+
+
+def one_device_gradient(delta, *, args):
+    """The same gradient on one device: (S, state at a = 1, gradient, time, temp bytes)."""
+    insitu = jaxpm_halos.InSitu(box_size=args.box, analyses=("knn_density",), k=args.k,
+                                save_state=True)
+    fn = jax.value_and_grad(lambda d: statistic(d, insitu=insitu, nc=args.nc,
+                                                steps=args.steps, sharding=None, halo=0),
+                            has_aux=True)
+    delta = jax.device_put(np.asarray(delta), jax.devices()[0])
+    ((value, state), grad), _, run_s, mem = measure(fn, delta, repeats=1)
+    return value, state, grad, run_s, mem
+
+
+def kth_neighbours_differ(state, one_state, box, k):
+    """How many particles have a different k-th neighbour in the two a = 1 states: kNN
+    density is smooth only while the neighbour sets hold, so their gradients differ there."""
+    ids = [np.asarray(jaxpm_halos.knn(jaxpm_halos.from_jaxpm(jnp.asarray(np.asarray(y)),
+                                                             box_size=box), k=k)[1])[..., -1]
+           for y in (state, one_state)]
+    return int(np.sum(ids[0] != ids[1]))
+
+
+def report(m, one, *, args):
+    """Print the checks and figures of :func:`gradients` (``m``) and the one-device run."""
+    one_value, one_state, one_grad, one_s, one_mem = one
+    grad, ref = np.asarray(m["grad"], np.float64), np.asarray(one_grad, np.float64)
+    err = np.abs(grad - ref).max() / np.abs(ref).max()
+    cosine = np.sum(grad * ref) / np.linalg.norm(grad) / np.linalg.norm(ref)
+    flips = kth_neighbours_differ(m["state"], one_state, args.box, args.k)
+    step_s, mib = m["solve_s"] / args.steps, 2.0**20
+    print(f"S = mean log rho_kNN: {float(m['value']):.6f} on the mesh, "
+          f"{float(one_value):.6f} on one device")
+    print(f"forward mode on the mesh, dS along a random v: {float(m['tangent']):.6e}; "
+          f"<grad, v> = {float(m['vdot']):.6e}")
+    print(f"grad against one device ({args.nc}^3 cells): max |difference| / max |grad| = "
+          f"{err:.2e}, cosine {cosine:.8f}; {flips} particles have a different "
+          f"{args.k}-th neighbour at a = 1 on one device")
+    print(f"one gradient: {m['grad_s']:.3f} s warm (compile {m['compile_s']:.1f} s), "
+          f"{m['grad_mem'] / mib:.1f} MiB XLA temporaries per device")
+    print(f"forward S: {m['forward_s']:.3f} s ({m['forward_mem'] / mib:.1f} MiB); solve "
+          f"alone: {m['solve_s']:.3f} s ({m['solve_mem'] / mib:.1f} MiB), one PM step "
+          f"{step_s * 1e3:.1f} ms")
+    print(f"cost of one gradient: {m['grad_s'] / step_s:.1f} PM steps "
+          f"({m['grad_s'] / m['forward_s']:.2f}x the forward S); one device: {one_s:.3f} s, "
+          f"{one_mem / mib:.1f} MiB")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nc", type=int, default=32)
@@ -95,49 +170,20 @@ def main():
     if not args.without_correction:
         jaxpm_halos.correct_jaxpm_adjoints()  # once, before anything is traced
 
-    nc, steps = args.nc, args.steps
     shape = tuple(int(s) for s in args.mesh.split(","))
     mesh = jax.make_mesh(shape, ("x", "y"), axis_types=(AxisType.Auto,) * 2)
     sharding = NamedSharding(mesh, P("x", "y"))
-    halo = default_halo_size(nc, args.box, min(nc // shape[0], nc // shape[1]))
-    delta = initial_field(nc, args.box, sharding)
-    common = dict(nc=nc, steps=steps)
-    print(f"{nc}^3 particles in {args.box} Mpc/h, {steps} PM steps, kNN k = {args.k}, "
-          f"mesh {shape} (halo_size {halo}), {jax.device_count()} {jax.default_backend()} "
-          f"devices; correction {'OFF' if args.without_correction else 'on'}")
-
-    insitu = jaxpm_halos.InSitu(box_size=args.box, analyses=("knn_density",), k=args.k,
-                                mesh=mesh)
-    grad_fn = jax.value_and_grad(lambda d: statistic(d, insitu=insitu, sharding=sharding,
-                                                     halo=halo, **common))
-    (value, grad), grad_compile, grad_s, grad_mem = measure(grad_fn, delta)
-    plain = lambda d: solve(d, sharding=sharding, halo=halo,  # noqa: E731
-                            saveat=diffrax.SaveAt(t1=True), **common)
-    _, _, solve_s, solve_mem = measure(plain, delta)
-    stat = lambda d: statistic(d, insitu=insitu, sharding=sharding, halo=halo, **common)  # noqa: E731
-    _, _, forward_s, forward_mem = measure(stat, delta)
-
-    one_insitu = jaxpm_halos.InSitu(box_size=args.box, analyses=("knn_density",), k=args.k)
-    one_fn = jax.value_and_grad(lambda d: statistic(d, insitu=one_insitu, sharding=None,
-                                                    halo=0, **common))
-    delta_one = jax.device_put(np.asarray(delta), jax.devices()[0])
-    (one_value, one_grad), _, one_s, one_mem = measure(one_fn, delta_one, repeats=1)
-
-    grad, one_grad = np.asarray(grad, np.float64), np.asarray(one_grad, np.float64)
-    err = np.abs(grad - one_grad).max() / np.abs(one_grad).max()
-    cosine = np.sum(grad * one_grad) / np.linalg.norm(grad) / np.linalg.norm(one_grad)
-    step_s = solve_s / steps
-    mib = 2.0**20
-    print(f"S = mean log rho_kNN: {float(value):.6f} on the mesh, {float(one_value):.6f} on one device")
-    print(f"dS/d delta_L ({nc}^3 cells): max |mesh - one device| / max |one device| = {err:.2e}, "
-          f"cosine {cosine:.8f}")
-    print(f"one gradient: {grad_s:.3f} s warm (compile {grad_compile:.1f} s), "
-          f"{grad_mem / mib:.1f} MiB temporaries per device")
-    print(f"forward S: {forward_s:.3f} s ({forward_mem / mib:.1f} MiB); solve alone: "
-          f"{solve_s:.3f} s ({solve_mem / mib:.1f} MiB), one PM step {step_s * 1e3:.1f} ms")
-    print(f"cost of one gradient: {grad_s / step_s:.1f} PM steps "
-          f"({grad_s / forward_s:.2f}x the forward statistic); one device: {one_s:.3f} s, "
-          f"{one_mem / mib:.1f} MiB")
+    halo = default_halo_size(args.nc, args.box, min(args.nc // shape[0], args.nc // shape[1]))
+    print(f"{args.nc}^3 particles in {args.box} Mpc/h, {args.steps} PM steps, kNN k = "
+          f"{args.k}, mesh {shape} (halo_size {halo}), {jax.device_count()} "
+          f"{jax.default_backend()} devices; correction "
+          f"{'OFF' if args.without_correction else 'on'}")
+    delta = initial_field(args.nc, args.box, sharding)
+    v = jax.device_put(np.random.default_rng(1).normal(
+        0, 1, (args.nc,) * 3).astype(np.float32), sharding)
+    m = gradients(delta, v, args=args, mesh=mesh, halo=halo)
+    m["vdot"] = jnp.vdot(m["grad"], v)
+    report(m, one_device_gradient(delta, args=args), args=args)
 
 
 if __name__ == "__main__":

@@ -88,8 +88,8 @@ def _jaxdecomp_halo_module():
     try:
         found = importlib.metadata.version("jaxdecomp")
     except importlib.metadata.PackageNotFoundError as err:
-        raise RuntimeError("correct_jaxpm_adjoints needs jaxdecomp "
-                           f"{TESTED_JAXDECOMP} (JaxPM's halo exchange); it is not installed") from err
+        raise RuntimeError(f"correct_jaxpm_adjoints needs jaxdecomp {TESTED_JAXDECOMP} "
+                           "(JaxPM's halo exchange); it is not installed") from err
     if found != TESTED_JAXDECOMP:
         raise RuntimeError(
             f"correct_jaxpm_adjoints patches the private halo-exchange primitive of jaxdecomp "
