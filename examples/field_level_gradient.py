@@ -12,9 +12,12 @@ devices when only a CPU is present).
 
 The distributed gradient is checked against forward mode on the mesh (``<grad, v>`` against
 ``jax.jvp`` with ``diffrax.ForwardMode`` along a random v) and against the same gradient on
-one device, cell by cell. The one-device run rounds differently, and a particle whose k-th
-neighbour changes at a near-tie has a different density gradient (S is smooth only while
-neighbour sets hold); the script counts those particles. It prints the time of one
+one device, cell by cell. S is smooth only while the neighbour sets hold, and each of these
+runs is a different compiled program that rounds differently (states differ by ~1e-5
+cells): a particle whose k-th neighbour changes at a near-tie has a different density
+gradient. The script counts those particles, and compares ``<grad, v>`` also with the chain
+rule taken with the gradient run's own neighbours (forward mode's tangent of the a = 1
+state times kNN density's gradient at the gradient run's state). It prints the time of one
 gradient (compiled, warm), its peak memory (XLA temporaries per device, from
 ``compile().memory_analysis()``), and its cost in PM steps (the gradient's time over one
 step of the same solve without analyses). With one save time, diffrax 0.7.2 evaluates
@@ -103,9 +106,10 @@ def gradients(delta, v, *, args, mesh, halo):
     _, _, forward_s, forward_mem = measure(lambda d: stat(d)[0], delta)
     _, _, solve_s, solve_mem = measure(
         lambda d: solve(d, saveat=diffrax.SaveAt(t1=True), **common), delta)
-    tangent = jax.jit(lambda d, v: jax.jvp(
-        lambda d: stat(d, adjoint=diffrax.ForwardMode())[0], (d,), (v,))[1])(delta, v)
-    return dict(value=value, state=state, grad=grad, tangent=tangent, compile_s=compile_s,
+    (_, fm_state), (tangent, state_tangent) = jax.jit(lambda d, v: jax.jvp(
+        lambda d: stat(d, adjoint=diffrax.ForwardMode()), (d,), (v,)))(delta, v)
+    return dict(value=value, state=state, grad=grad, tangent=tangent, fm_state=fm_state,
+                state_tangent=state_tangent, compile_s=compile_s,
                 grad_s=grad_s, grad_mem=grad_mem, forward_s=forward_s,
                 forward_mem=forward_mem, solve_s=solve_s, solve_mem=solve_mem)
 
@@ -131,6 +135,15 @@ def kth_neighbours_differ(state, one_state, box, k):
     return int(np.sum(ids[0] != ids[1]))
 
 
+def chain_rule(state, state_tangent, box, k):
+    """dS along v with the neighbour sets of ``state``: <dS/dy at ``state``, dy/dv>, where
+    dy/dv is forward mode's tangent of the a = 1 state and dS/dy is kNN density's own
+    gradient (``jaxpm_halos.knn_density``, neighbours held fixed)."""
+    S = lambda y: jnp.mean(jnp.log(jaxpm_halos.knn_density(  # noqa: E731
+        jaxpm_halos.from_jaxpm(y, box_size=box), k=k)))
+    return float(jnp.vdot(jax.jit(jax.grad(S))(state), state_tangent))
+
+
 def report(m, one, *, args):
     """Print the checks and figures of :func:`gradients` (``m``) and the one-device run."""
     one_value, one_state, one_grad, one_s, one_mem = one
@@ -141,8 +154,13 @@ def report(m, one, *, args):
     step_s, mib = m["solve_s"] / args.steps, 2.0**20
     print(f"S = mean log rho_kNN: {float(m['value']):.6f} on the mesh, "
           f"{float(one_value):.6f} on one device")
-    print(f"forward mode on the mesh, dS along a random v: {float(m['tangent']):.6e}; "
-          f"<grad, v> = {float(m['vdot']):.6e}")
+    vdot, chained = float(m["vdot"]), chain_rule(m["state"], m["state_tangent"], args.box,
+                                                   args.k)
+    print(f"dS along a random v: forward mode {float(m['tangent']):.6e} (its run rounds "
+          f"differently: {kth_neighbours_differ(m['state'], m['fm_state'], args.box, args.k)}"
+          f" particles have another {args.k}-th neighbour at a = 1); forward-mode state "
+          f"tangent with the gradient run's neighbours {chained:.6e}; <grad, v> {vdot:.6e} "
+          f"(relative difference {abs(vdot - chained) / abs(chained):.1e})")
     print(f"grad against one device ({args.nc}^3 cells): max |difference| / max |grad| = "
           f"{err:.2e}, cosine {cosine:.8f}; {flips} particles have a different "
           f"{args.k}-th neighbour at a = 1 on one device")
