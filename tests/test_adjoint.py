@@ -2,7 +2,7 @@
 
 jaxdecomp 0.2.9 transposes its halo exchange as if it were self-adjoint, so without the
 correction every reverse-mode test here fails on a multi-device mesh (the dot products
-by up to 2x, the solve gradient by 8%). References are independent of reverse mode on a
+by up to 2x or with the wrong sign, the solve gradient by 8%). References are independent of reverse mode on a
 mesh: forward mode (``jax.jvp``, ``diffrax.ForwardMode``) and one device.
 """
 
@@ -169,9 +169,11 @@ def test_grad_through_distributed_solve():
     np.testing.assert_allclose(float(jnp.vdot(grad, v)), float(tangent), rtol=1e-4)
 
 
-def test_forward_is_bitwise_jaxpm(tmp_path):
-    """The correction touches only the transpose: painting, reading and a whole solve give
-    the same bits as in a process where it was never installed."""
+def test_fresh_process_forward_bitwise_and_earlier_traces_corrected(tmp_path):
+    """In a process where the correction was never installed: painting, reading and a
+    whole solve give the same bits as here (it touches only the transpose), and upstream's
+    paint adjoint is wrong. Installing it there then corrects the same gradient, although
+    JAX had cached the transpose of ``cic_paint_dx`` (the install clears that cache)."""
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -180,11 +182,20 @@ def test_forward_is_bitwise_jaxpm(tmp_path):
         import test_adjoint as t
         assert not t.jaxpm_halos._adjoint._INSTALLED
         np.savez({str(tmp_path / "ref.npz")!r}, **t.forward_outputs())
+        mesh = conftest.make_mesh((2, 4))
+        before = t.dot_products("paint", mesh)
+        assert t.jaxpm_halos.correct_jaxpm_adjoints() is True
+        print(*before, *t.dot_products("paint", mesh))
     """)
-    subprocess.run([sys.executable, "-c", code], check=True)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True)
     ref = np.load(tmp_path / "ref.npz")
     for name, value in forward_outputs().items():
         np.testing.assert_array_equal(value, ref[name], err_msg=name)
+    fwd, rev, fwd_after, rev_after = map(float, out.stdout.split()[-4:])
+    assert abs(rev - fwd) > 0.1 * abs(fwd)  # jaxdecomp 0.2.9's transpose
+    assert fwd_after == fwd
+    np.testing.assert_allclose(rev_after, fwd, rtol=1e-4)
 
 
 def forward_outputs():
