@@ -3,7 +3,8 @@
 jaxdecomp 0.2.9 (the version JaxPM 0.1.6 runs distributed with) implements the halo
 exchange as a primitive whose per-device program reads the edge slabs of each local block
 and *sets* them, by ``ppermute``, into the neighbours' halo slabs. Per device, for a
-padded block ``b`` of shape ``(bx + 2 h?, by + 2 h?, nz)`` and extents ``(ex, ey)``::
+padded block ``b`` of shape ``(bx, by, nz)`` (the halos included) and extents
+``(ex, ey)``::
 
     out[:ex]  <- lower neighbour's b[-2ex:-ex]     out[-ex:] <- upper neighbour's b[ex:2ex]
     (the same along y, then the four corners through both axes; every other cell unchanged)
@@ -17,9 +18,10 @@ reads the neighbours' edges from the halo.
 The exchange is linear, so its adjoint is its transpose: zero the cotangent of every halo
 cell that the exchange overwrote, and ``ppermute`` each halo slab's cotangent back to the
 device it came from, adding it onto that device's edge slab. jaxdecomp registers the
-exchange itself as the transpose (as if it were self-adjoint), which copies instead of
-adds and sends the cotangent the wrong way; the adjoints of painting and reading come out
-wrong wherever particles sit near a device edge.
+exchange itself as the transpose (as if it were self-adjoint): it copies the edges'
+cotangent into the neighbours' halos, where the adjoint adds the halos' cotangent onto the
+neighbours' edges, so the adjoints of painting and reading come out wrong wherever
+particles sit near a device edge.
 
 :func:`correct_jaxpm_adjoints` replaces that transpose rule. The replacement binds a new
 linear primitive whose per-device program is ``jax.linear_transpose`` of jaxdecomp's own
@@ -52,9 +54,11 @@ def correct_jaxpm_adjoints() -> bool:
 
     Registers a correct transpose for jaxdecomp's halo-exchange primitive, the only
     communication in JaxPM's CIC painting and reading (``cic_paint_dx``, ``cic_read_dx``,
-    ``cic_paint``, ``cic_read``). After the call, ``jax.grad``, ``jax.vjp`` and diffrax's
-    default adjoint through ``lpt`` and ``make_diffrax_ode`` agree with forward mode and
-    with one device. Forward values (and forward-mode derivatives) are unchanged.
+    and the absolute ``cic_paint``, ``cic_read``). After the call, ``jax.grad``,
+    ``jax.vjp`` and diffrax's default adjoint through ``lpt`` and ``make_diffrax_ode``
+    agree with forward mode and with one device (tested for ``cic_paint_dx``,
+    ``cic_read_dx`` and whole solves). Forward values (and forward-mode derivatives) are
+    unchanged.
 
     The first call clears JAX's tracing and compilation caches (``jax.clear_caches()``):
     JAX caches the transpose of a jitted function such as ``cic_paint_dx`` by its jaxpr, so
@@ -73,13 +77,13 @@ def correct_jaxpm_adjoints() -> bool:
     with _LOCK:
         if _INSTALLED:
             return False
-        forward = _jaxdecomp_halo_module()
-        adjoint = _make_adjoint_primitive(forward)
-        _register_transposes(forward, adjoint)
+        halo = _jaxdecomp_halo_module()
+        adjoint = _make_adjoint_primitive(halo)
+        _register_transposes(halo, adjoint)
         # JAX caches transposed jaxprs (and compiled programs) by the forward jaxpr: a
         # gradient traced before this call would keep the old rule. Drop those caches once.
         jax.clear_caches()
-        _INSTALLED.update(forward=forward.spmd_halo_primitive.primitive, adjoint=adjoint)
+        _INSTALLED.update(forward=halo.spmd_halo_primitive.primitive, adjoint=adjoint)
         return True
 
 
@@ -122,8 +126,7 @@ def _block_sharding(mesh, ndim):
 
     ``ndim`` is 3 for a ``(nx, ny, nz)`` field or 4 for a batch ``(b, nx, ny, nz)``.
     """
-    spec = tuple(a for a in _spatial_axes(mesh))
-    return NamedSharding(mesh, P(*((None,) * (ndim - 3) + spec + (None,))))
+    return NamedSharding(mesh, P(*((None,) * (ndim - 3) + _spatial_axes(mesh) + (None,))))
 
 
 def _adjoint_per_shard(ct, *, per_shard_impl, halo_extents, halo_periods, x_axis, y_axis):

@@ -1,9 +1,10 @@
 """Reverse mode through distributed JaxPM (issue #21): ``correct_jaxpm_adjoints``.
 
 jaxdecomp 0.2.9 transposes its halo exchange as if it were self-adjoint, so without the
-correction every reverse-mode test here fails on a multi-device mesh (the dot products
-by up to 2x or with the wrong sign, the solve gradient by 8%). References are independent of reverse mode on a
-mesh: forward mode (``jax.jvp``, ``diffrax.ForwardMode``) and one device.
+correction every reverse-mode test here fails on a multi-device mesh (the dot products by
+up to 2x or with the wrong sign, the solve gradient by 8%). References are independent of
+reverse mode on a mesh: forward mode (``jax.jvp``, ``diffrax.ForwardMode``) and one
+device.
 """
 
 import subprocess
