@@ -1,6 +1,7 @@
 """Differentiate a halo and density summary through a distributed JaxPM run.
 
     python examples/derivative_through_the_solve.py [--nc 32] [--steps 5]
+        [--check-halo-adjoint [--correct-adjoints]]
 
 The simulation (linear field scaled by an amplitude A, 2LPT, PM steps with diffrax) runs on
 8 CPU host devices (mesh (2, 4)) or on the GPUs present, with in-situ FoF and kNN density
@@ -11,12 +12,14 @@ neighbour sets fixed. The density is continuous in A, so its finite difference c
 the derivative; a halo summary jumps whenever a halo gains or loses a member, so its finite
 difference measures those jumps and is not printed.
 
-Why forward mode: with jaxpm 0.1.6 and jaxdecomp 0.2.9, reverse mode (``jax.grad``)
-through a JaxPM step on more than one device is wrong. jaxdecomp transposes its halo
-exchange as if it were self-adjoint, so the adjoints of JaxPM's CIC painting and reading
-are wrong at domain edges. ``--check-halo-adjoint`` measures it on the current mesh: it
-prints ``<w, J v>`` for JaxPM's ``cic_paint_dx`` by forward mode and by reverse mode, which
-must agree. The in-situ analyses themselves differentiate correctly in both modes.
+Forward mode suits a few parameters. Reverse mode (``jax.grad``) through a JaxPM step on
+more than one device needs ``jaxpm_halos.correct_jaxpm_adjoints()`` first (see
+``examples/field_level_gradient.py``): jaxdecomp 0.2.9 transposes its halo exchange as if
+it were self-adjoint, so without it the adjoints of JaxPM's CIC painting and reading are
+wrong at domain edges. ``--check-halo-adjoint`` measures it on the current mesh: it prints
+``<w, J v>`` for JaxPM's ``cic_paint_dx`` by forward mode and by reverse mode, which must
+agree; add ``--correct-adjoints`` to measure it with the correction. The in-situ analyses
+themselves differentiate correctly in both modes.
 """
 
 import argparse
@@ -84,7 +87,11 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--eps", type=float, default=1e-3)
     parser.add_argument("--check-halo-adjoint", action="store_true")
+    parser.add_argument("--correct-adjoints", action="store_true",
+                        help="call jaxpm_halos.correct_jaxpm_adjoints() first")
     args = parser.parse_args()
+    if args.correct_adjoints:
+        jaxpm_halos.correct_jaxpm_adjoints()
     nc, box = args.nc, args.box
     # jax_cosmo asks for int64 indices; diffrax fills integer output buffers with inf first.
     warnings.filterwarnings("ignore", "Explicitly requested dtype.*int64")

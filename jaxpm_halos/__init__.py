@@ -4,6 +4,7 @@ Importing this package imports only jax and numpy (never jaxpm or jaxdecomp).
 """
 
 from . import units
+from ._adjoint import correct_jaxpm_adjoints
 from ._catalogue import Catalogue
 from ._config import DomainConfig, FoFConfig, KNNConfig
 from ._fof import fof, fof_local
@@ -39,6 +40,8 @@ __all__ = [
     "Snapshot",
     "check_insitu",
     "register",
+    # JaxPM reverse mode
+    "correct_jaxpm_adjoints",
     # catalogue files
     "LoadedCatalogue",
     "gather_catalogue",
