@@ -20,9 +20,8 @@ rule taken with the gradient run's own neighbours (forward mode's tangent of the
 state times kNN density's gradient at the gradient run's state). It prints the time of one
 gradient (compiled, warm), its peak memory (XLA temporaries per device, from
 ``compile().memory_analysis()``), and its cost in PM steps (the gradient's time over one
-step of the same solve without analyses). With one save time, diffrax 0.7.2 evaluates
-the save function (the kNN density) at every step, forward and backward, which dominates
-that cost at these sizes.
+step of the same solve without analyses). ``InSitu`` keeps the kNN density inside
+diffrax's save loop, so it runs once (forward) although there is a single save time.
 
 Reverse mode through distributed JaxPM needs ``jaxpm_halos.correct_jaxpm_adjoints()``
 (called first here): jaxdecomp 0.2.9's halo exchange has a wrong transpose.
