@@ -179,22 +179,41 @@ class Columns(NamedTuple):
     rows are ordered by their z coordinate, so a z window is found by a binary search
     bounded by the column's length rather than the whole array.
 
+    The index of where each column starts is a histogram over buckets of ``2**shift``
+    consecutive column keys, with ``shift`` the smallest that leaves at most one bucket per
+    row: one bucket per column (``shift == 0``, a direct look-up) whenever there are no
+    more columns than rows, and never more memory than the rows need when a linking length
+    tiny against the box makes columns far outnumber particles.
+
     Attributes:
       order: (R,) row index of each sorted position (invalid rows last).
-      column: (R,) sorted column index (``num_columns`` for invalid rows).
+      column: (R,) sorted column key ``cx * ny + cy`` (``nx * ny`` for invalid rows).
       z: (R,) sorted z coordinates.
-      start: (num_columns + 1,) first sorted position of each column.
+      start: (B + 2,) first sorted position of each bucket (B buckets of valid keys, then
+        the invalid rows, then R).
+      depth: () binary search steps that resolve the fullest bucket (0 when ``shift == 0``).
       cx, cy: (R,) column coordinates of the sorted rows.
       shape: (nx, ny), static.
+      shift: static.
     """
 
     order: jax.Array
     column: jax.Array
     z: jax.Array
     start: jax.Array
+    depth: jax.Array
     cx: jax.Array
     cy: jax.Array
     shape: tuple
+    shift: int
+
+
+def _bucket_shift(columns: int, rows: int) -> int:
+    """Smallest ``shift`` with at most ``rows`` buckets of ``2**shift`` column keys."""
+    shift = 0
+    while -(-columns // (1 << shift)) > max(rows, 1):
+        shift += 1
+    return shift
 
 
 def sort_columns(lengths, min_side: float, local_pos, origin, valid) -> Columns:
@@ -214,19 +233,42 @@ def sort_columns(lengths, min_side: float, local_pos, origin, valid) -> Columns:
     column, at = sort_rows(column[by_z])
     order = by_z[at]
     z = z[order]
-    counts = jnp.zeros(columns + 1, int32).at[column].add(1)
-    start = jnp.concatenate([jnp.zeros(1, int32), jnp.cumsum(counts, dtype=int32)])[:columns + 1]
+    rows = column.shape[0]
+    shift = _bucket_shift(columns, rows)
+    buckets = -(-columns // (1 << shift))  # B <= R
+    bucket = jnp.where(column < columns, column >> shift, buckets)  # (R,)
+    counts = jnp.zeros(buckets + 1, int32).at[bucket].add(1)  # (B + 1,)
+    start = jnp.concatenate([jnp.zeros(1, int32), jnp.cumsum(counts, dtype=int32)])  # (B + 2,)
+    depth = jnp.int32(0) if shift == 0 else search_depth(jnp.max(counts[:buckets]))
     cc = jnp.minimum(column, columns - 1)
-    return Columns(order, column, z, start, cc // ny, cc % ny, (nx, ny))
+    return Columns(order, column, z, start, depth, cc // ny, cc % ny, (nx, ny), shift)
 
 
-def search_columns(z, lo, hi, target, right):
+def column_start(cols: Columns, key):
+    """(R,) first sorted position with a column key >= ``key`` (R,), for keys up to
+    ``nx * ny``: the bucket's start, then a search inside the bucket when buckets hold
+    several columns."""
+    lo = cols.start[key >> cols.shift]
+    if cols.shift == 0:
+        return lo
+    hi = cols.start[(key >> cols.shift) + 1]
+    return search_columns(cols.column, lo, hi, key, False, cols.depth)
+
+
+def search_depth(longest):
+    """Binary search steps that resolve any range of at most ``longest`` positions."""
+    return jnp.ceil(jnp.log2(jnp.asarray(longest).astype(jnp.float32) + 1)).astype(int32)
+
+
+def search_columns(z, lo, hi, target, right, depth=None):
     """First position in ``[lo, hi)`` with ``z > target`` where ``right``, else ``z >= target``.
 
-    One binary search for all queries, as deep as log2 of the longest range: columns are
-    short, so this is far shallower than a search of the whole array.
+    One binary search for all queries, as deep as log2 of the longest range (or ``depth``
+    steps, which must cover it): columns are short, so this is far shallower than a search
+    of the whole array.
     """
-    depth = jnp.ceil(jnp.log2(jnp.max(hi - lo).astype(jnp.float32) + 1)).astype(int32)
+    if depth is None:
+        depth = search_depth(jnp.max(hi - lo))
     last = z.shape[0] - 1
 
     def step(_, bounds):
@@ -259,7 +301,8 @@ def half_shell_windows(cols: Columns, reach):
         cx, cy = cols.cx + dx, cols.cy + dy
         inside = live & (cx < nx) & (cy >= 0) & (cy < ny)
         col = jnp.where(inside, cx * ny + cy, nx * ny)
-        return jnp.where(inside, cols.start[col], 0), jnp.where(inside, cols.start[col + 1], 0)
+        return (jnp.where(inside, column_start(cols, col), 0),
+                jnp.where(inside, column_start(cols, col + 1), 0))
 
     _, own_hi = column_range(0, 0)
     own_lo = jnp.minimum(jnp.arange(rows, dtype=int32) + 1, own_hi)

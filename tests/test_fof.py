@@ -305,6 +305,52 @@ def test_particle_count_not_divisible_by_the_devices(adversarial, shape):
     np.testing.assert_array_equal(np.asarray(by_b), ref.fof_labels(pos, BOX, b_link))
 
 
+# A linking length tiny against the box (a units slip: kpc positions, Mpc linking length)
+# makes x-y columns outnumber the particles by many orders of magnitude.
+TINY_LINK_CASES = [(100.0, 0.002), (1e6, 2.5)]
+
+
+def _clumps_at_tiny_link(seed, box, link):
+    """N points: clumps of 40 (sigma 0.4 l) on box and pencil faces, edges and corners of the
+    test meshes, a chain spaced 0.9 l across the x = L/2 face, exact duplicates, uniform
+    background."""
+    rng = np.random.default_rng(seed)
+    edges = [0.0, box / 8, box / 4, box / 2, 3 * box / 4]
+    centres = [[x, y, z] for x in edges[::2] for y in edges for z in (0.0, box / 2)][:30]
+    clumps = [np.asarray(c) + rng.normal(0, 0.4 * link, (40, 3)) for c in centres]
+    chain = np.asarray([box / 2, box / 3, box / 5]) + np.outer(np.arange(-20, 20) * 0.9 * link,
+                                                                [1.0, 0.0, 0.0])
+    background = rng.uniform(0, box, (N - 40 * len(centres) - len(chain) - 16, 3))
+    duplicates = np.repeat(background[:8], 2, axis=0)
+    pos = np.mod(np.concatenate(clumps + [chain, background, duplicates]), box)
+    return (np.where(pos >= box, 0.0, pos).astype(np.float32),)
+
+
+@pytest.mark.parametrize("box, link", TINY_LINK_CASES)
+def test_memory_follows_particles_not_box_over_linking_length(box, link):
+    """Compiled only: 4,096 points with l / L = 2e-5 or 2.5e-6 need temporaries of the order
+    of N, as with l / L = 1e-2. A histogram over every x-y column took 2.6 GB and 7.3 GB."""
+    (p,) = _shard(make_mesh((2, 4)), *_clumps_at_tiny_link(0, box, link))
+    compiled = jax.jit(lambda x: jh.fof(x, box, link, min_members=2)).lower(p).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 1000 * N, f"{temp / N:.0f} bytes of temporaries per particle"
+
+
+@pytest.mark.parametrize("shape, case", [((2, 4), 1), ((8, 1), 0)])
+def test_labels_match_scipy_at_tiny_linking_length(shape, case):
+    box, link = TINY_LINK_CASES[case]
+    pos = next(pos for (pos,) in (_clumps_at_tiny_link(seed, box, link) for seed in range(20))
+               if ref.unambiguous_linking_length(pos, box, link) == link)
+    want = ref.fof_labels(pos, box, link)
+    assert np.bincount(want).max() >= 40 and len(np.unique(want)) < N - 500
+    (p,) = _shard(make_mesh(shape), pos)
+    labels, cat = jh.fof(p, box, link, min_members=20, config=FACES)
+    np.testing.assert_array_equal(np.asarray(labels), want)
+    got, expected = cat.to_numpy(), ref.catalogue(pos, box, want, 20)
+    np.testing.assert_array_equal(got["id"], expected["id"])
+    np.testing.assert_array_equal(got["count"], expected["count"])
+
+
 @pytest.mark.parametrize("pos", [np.zeros((10, 2), np.float32),
                                  np.zeros((4, 4, 3, 3), np.float32)])
 def test_bad_shapes_raise(pos):
