@@ -313,6 +313,7 @@ def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None):
         return save_loop_counts(jax.jit(solve).lower(y0).compile().as_text(), "sort")
 
 
+@requires("diffrax")
 @pytest.mark.parametrize("adjoint", ["recursive_checkpoint", "forward_mode"])
 def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
     """With a single save time, diffrax's save loop reads ts[0] whatever its index, so XLA
@@ -330,6 +331,7 @@ def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
     assert per_save > 0, "the analyses' sorts should be found in diffrax's save loop"
 
 
+@requires_jaxpm
 @pytest.mark.parametrize("saveat_fn", ["insitu_switchable", "user_sort"])
 def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat_fn):
     """The same through the demo's run_simulation, whose SaveAt also saves t1 and whose
