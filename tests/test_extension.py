@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import make_mesh, requires, requires_jaxpm
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos
@@ -167,6 +167,7 @@ def reference(insitu_run):
     return final, labels, cat.to_numpy()
 
 
+@requires_jaxpm
 def test_insitu_catalogue_equals_fof_afterwards(insitu_run, reference):
     """Done-when: the in-situ catalogue at the final snapshot equals fof run afterwards on
     the saved final state, exactly, and so do the labels."""
@@ -197,6 +198,7 @@ def test_insitu_catalogue_equals_fof_afterwards(insitu_run, reference):
     assert len(early["id"]) < len(got["id"])
 
 
+@requires_jaxpm
 def test_insitu_units(insitu_run, reference):
     """Velocities are momentum_to_velocity of the mean momentum; masses count * m_p."""
     out = insitu_run["out"]
@@ -218,6 +220,7 @@ def test_insitu_units(insitu_run, reference):
 
 
 @NEEDS_KNN
+@requires_jaxpm
 def test_insitu_density_equals_knn_density_afterwards(insitu_run):
     out = insitu_run["out"]
     final = out["state"][-1]
@@ -230,6 +233,7 @@ def test_insitu_density_equals_knn_density_afterwards(insitu_run):
 
 @NEEDS_KNN
 @pytest.mark.slow
+@requires_jaxpm
 def test_derivative_through_the_solve_is_the_chain_rule():
     """Forward models differentiate through the simulation. With diffrax.ForwardMode, the
     derivative with respect to the linear field's amplitude of the in-situ kNN density and
@@ -309,6 +313,7 @@ def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None):
         return save_loop_counts(jax.jit(solve).lower(y0).compile().as_text(), "sort")
 
 
+@requires("diffrax")
 @pytest.mark.parametrize("adjoint", ["recursive_checkpoint", "forward_mode"])
 def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
     """With a single save time, diffrax's save loop reads ts[0] whatever its index, so XLA
@@ -326,6 +331,7 @@ def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
     assert per_save > 0, "the analyses' sorts should be found in diffrax's save loop"
 
 
+@requires_jaxpm
 @pytest.mark.parametrize("saveat_fn", ["insitu_switchable", "user_sort"])
 def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat_fn):
     """The same through the demo's run_simulation, whose SaveAt also saves t1 and whose
@@ -358,6 +364,7 @@ def test_unregistered_analysis_name():
         InSitu(box_size=32.0, analyses=("fof", "halo_finder"))
 
 
+@requires("diffrax")  # InSitu.saveat builds a diffrax.SaveAt
 @pytest.mark.parametrize("ts", [(0.05, 1.0), (0.5, 1.2), ()])
 def test_snapshot_times_outside_the_solve(ts):
     insitu = InSitu(box_size=32.0, analyses=("fof",))

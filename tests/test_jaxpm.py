@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import make_mesh, requires_jaxpm
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpm_halos import Particles, from_jaxpm
@@ -163,6 +163,7 @@ def test_bad_inputs(args, kwargs, match):
         from_jaxpm(*args, **kwargs)
 
 
+@requires_jaxpm
 def test_in_situ_saveat():
     """from_jaxpm inside diffrax's SaveAt fn of a distributed run (the demo's plug-in point)."""
     from jaxpm_halos.demo import describe_layout, run_simulation

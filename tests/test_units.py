@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import requires_jaxpm
+
 from jaxpm_halos import units
 
 # CODATA 2018 G, IAU 2015 nominal solar mass parameter / G, IAU 2012 au -> parsec
@@ -85,6 +87,7 @@ jax_cosmo_int64 = pytest.mark.filterwarnings("ignore:Explicitly requested dtype.
 
 
 @jax_cosmo_int64
+@requires_jaxpm
 def test_velocity_linear_theory():
     """1LPT: v = a H(a) f(a) Psi, with Psi the displacement in Mpc/h."""
     import jax_cosmo as jc
@@ -120,6 +123,7 @@ def _trajectory_fn(nc):
 
 
 @jax_cosmo_int64
+@requires_jaxpm
 @pytest.mark.parametrize("when", ["lpt_a0.1", "pm_z0"])
 def test_velocity_finite_differences(when, jaxpm_snapshot_32):
     """Central differences of JaxPM positions between two nearby saved times."""
