@@ -17,10 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import JAXPM_STACK, make_mesh, requires
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos
+
+# Every test here patches or runs jaxdecomp's halo exchange through JaxPM.
+pytestmark = requires("jaxdecomp", *JAXPM_STACK)
 
 NC, BOX, STEPS, HALO = 16, 32.0, 3, 8
 
