@@ -52,13 +52,12 @@ class Extras:
     k: int = 16
     so_radius: float = 0.0
 
-    def width(self, linking_length: float, total: int, plan_pencils, config: FoFConfig,
-              knn: KNNConfig) -> float:
+    def width(self, linking_length: float, total: int, pencils, knn: KNNConfig) -> float:
         """The ghost layer every part needs."""
-        box = plan_pencils.box_size
+        box = pencils.box_size
         width = ghost_width(linking_length, box)
         if self.centre == "peak":
-            width = max(width, knn_width(self.k, total, plan_pencils, knn))
+            width = max(width, knn_width(self.k, total, pencils, knn))
         if self.so:
             width = max(width, search_width(self.so_radius, box))
         return width
@@ -176,7 +175,7 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
 def _fof_program(problem: Problem, in_specs, linking_length: float, min_members: int,
                  config: FoFConfig, extras: Extras):
     layout = problem.layout
-    width = extras.width(linking_length, problem.total, problem.pencils, config, config.knn)
+    width = extras.width(linking_length, problem.total, problem.pencils, config.knn)
     plan = plan_for(problem, config.domain, width)
     if extras.so:
         in_specs = tuple(in_specs) + (P(),)

@@ -45,6 +45,7 @@ from ._fof import z_images
 from ._frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils
+from ._particles import _check_integer
 from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._status import InvalidInputError, Limit, Status, is_traced
@@ -85,6 +86,7 @@ def resolve_radius(config: SOConfig, mean_separation: float, pencils: Pencils) -
     """``config.radius``, checked, or the default: 4 mean particle separations, within
     what the mesh supports (the narrower pencil side, a third of the box)."""
     box = pencils.box_size
+    _check_integer("SOConfig(levels=...): levels", config.levels, 1)
     if config.radius is not None:
         return check_radius(config.radius, box, pencils)
     widest = (min(pencils.widths) - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5)

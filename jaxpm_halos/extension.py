@@ -155,7 +155,7 @@ def _extras(insitu: "InSitu", pencils: Pencils) -> Extras:
 
 def _fof_width(insitu: "InSitu", pencils: Pencils) -> float:
     return _extras(insitu, pencils).width(insitu.linking_length, insitu.nc ** 3, pencils,
-                                          insitu.fof, insitu.knn)
+                                          insitu.knn)
 
 
 @register("fof", outputs={"labels": "particle", "catalogue": "device"}, width=_fof_width)
