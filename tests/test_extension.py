@@ -244,7 +244,7 @@ def test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force(insitu_run):
         brute = so_reference(pos, got["peak"], BOX, thresholds, m_p)
         assert np.all(np.abs(np.stack([got["m" + n] for n in SO], 1) - brute) <= m_p * 1.001)
         assert np.all(got["m200m"] >= got["mvir"]) and np.all(got["mvir"] >= got["m200c"])
-        assert np.max(got["m200m"]) > 100 * m_p
+        assert np.max(got["m200m"]) > 50 * m_p  # resolved haloes, not single particles
 
 
 @NEEDS_KNN

@@ -3,7 +3,6 @@ mesh, for centres on box and pencil corners, haloes wider than FoF's ghost layer
 unequal masses; inside jit; growth and errors; the thresholds of ``units.so_density``."""
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -251,7 +250,7 @@ def _planted(seed=1):
     rng = np.random.default_rng(seed)
     spots = np.array([[0.02, 0.02, BOX - 0.02], [BOX / 2, BOX / 4, BOX / 2],
                       [BOX / 4, BOX / 2, 0.5], [3 * BOX / 4, 3 * BOX / 4, 3 * BOX / 4]])
-    parts, peaks = [], []
+    parts = []
     for spot in spots:
         parts.append(spot + rng.normal(0, 0.35, (150, 3)))
         core = spot + rng.normal(0, 0.004, (12, 3))
