@@ -335,7 +335,7 @@ def _so_program(problem: Problem, in_specs, config: SOConfig, radius: float):
     return jax.jit(lambda *args: run_sharded(layout, device, args, specs)["so"])
 
 
-def _densities(density):
+def check_densities(density):
     """Thresholds as a (D,) float array and whether a scalar was given."""
     d = jnp.asarray(density)
     if d.ndim > 1 or d.size == 0:
@@ -392,7 +392,7 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
     """
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     config = SOConfig() if config is None else config
-    density, scalar = _densities(density)
+    density, scalar = check_densities(density)
     centres = _centres(centres, args[0].dtype)
     args = args + (centres, density.astype(args[0].dtype))
 
