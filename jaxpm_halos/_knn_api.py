@@ -17,7 +17,7 @@ from ._domain import Decomposition, psum_all
 from ._frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
                         prepare, program_cache, row_masses, trim_padding)
 from ._geometry import wrap
-from ._knn import density_from, ghost_width, knn_device, neighbour_distances
+from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances
 from ._layout import Pencils
 from ._particles import Particles
 from ._pipeline import Plan, Step, analyse, on_device, plan_for, run_sharded
@@ -40,14 +40,14 @@ class _Spec(NamedTuple):
 def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
     """Per-row outputs from the neighbours, on the device."""
     k, box = spec.k, plan.pencils.box_size
-    dist = neighbour_distances(qpos, nb, box)
-    if spec.output == "neighbours":
-        return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
     if spec.output == "density":
-        rho = density_from(dist, nb.mass, k)
+        rho = knn_density_of(qpos, nb, k, box)
         if spec.overdensity:
             rho = rho / (total_mass / box ** 3) - 1
         return {"rho": rho}
+    dist = neighbour_distances(qpos, nb, box)
+    if spec.output == "neighbours":
+        return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
     data = dict(data)
     data["neighbour_mass"] = nb.mass
     return {"value": spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)}
