@@ -84,7 +84,8 @@ def _chunk_for_backend(chunk: int, kk: int) -> int:
     return max(kk, (1 << (kk + chunk).bit_length() - 1) - kk)
 
 
-def _settings(k: int, self_mode: bool, config: KNNConfig, total: int, box: float):
+def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total: int,
+              box: float):
     """The local search's static settings on this backend."""
     kk = k + 1 if self_mode else k
     cpu = _backend() == "cpu"
@@ -97,14 +98,15 @@ def _settings(k: int, self_mode: bool, config: KNNConfig, total: int, box: float
     # ones merge every chunk as it comes.
     window = chunk * max(1, kk // 16)
     gap = _GAP * uniform_knn_radius(k, total, box)
-    return SearchSettings(k, kk, self_mode, config.batch_size, group, again_batch,
+    return SearchSettings(k, kk, 1 if kth_only else k, self_mode, config.batch_size, group, again_batch,
                           group * config.batch_size // again_batch,
                           _PLAN_BATCHES if cpu else 4 * _ACCELERATOR, chunk, window,
                           config.radius_factor, gap, min(0.125 * box, 4 * gap))
 
 
 class Neighbours(NamedTuple):
-    """Per-query result on the device: neighbour ``codes`` (n, k) into the tables of
+    """Per-query result on the device: neighbour ``codes`` (n, k) (or (n, 1), the k-th
+    alone: :func:`knn_device`'s ``kth_only``) into the tables of
     ``[extended rows | none | remote answers]`` (global ids, differentiable positions and
     masses), and a resolved flag ``ok`` (n,). ``id``, ``pos`` and ``mass`` gather the
     (n, k, ...) values; :meth:`column` keeps one neighbour (the k-th for a density)."""
@@ -142,7 +144,8 @@ def _to_input_order(home, *arrays):
                            jnp.zeros((), a.dtype) if a.dtype == bool else -1) for a in arrays)
 
 
-def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, queries=None):
+def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, queries=None,
+               kth_only: bool = False):
     """kNN on one device's extended rows.
 
     Args:
@@ -153,6 +156,8 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
         (the selection uses ``ext.pos`` with stopped gradients).
       queries: None for the owned particles themselves (self excluded), or
         ``(pos, valid)`` of query points that lie in this device's pencil.
+      kth_only: keep only the k-th neighbour (``codes`` (n, 1)): all a density of equal
+        masses needs (:func:`knn_density_of`), and n * (k - 1) ints less.
 
     Returns ``(neighbours, status)`` where ``neighbours`` has one row per owned row
     (or per query row), in that order, and ``status`` covers the z images and the
@@ -170,17 +175,19 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
         q, home = owned_queries(index, ext.owned)
     else:
         q, home = point_queries(frame, index, origin, lax.stop_gradient(queries[0]), queries[1])
-    settings = _settings(k, self_mode, config, total, pencils.box_size)
+    settings = _settings(k, self_mode, kth_only, config, total, pencils.box_size)
     search = LocalSearch(index, frame, origin, cover_lo, cover_hi, q, n_ext, settings)
-    state = search_locally(search, SearchState.start(q.valid, k, n_ext, dtype), settings.gap)
+    state = SearchState.start(q.valid, settings.kept, n_ext, dtype)
+    state = search_locally(search, state, settings.gap)
 
     # Spheres that leave the ghost layer are completed across devices.
     capped = plan.width < requested_width(k, total, pencils.box_size, config) * (1 - 1e-6)
-    capacity = min(config.remote_rows(n0, capped), q.f.shape[0])
+    capacity = min(config.remote_rows(n0, capped), q.size)
     ext_mass = jnp.broadcast_to(ext_mass, (n_ext,))
     remote = complete_remote(pencils, frame, index, ext, ext_pos, ext_mass, q, state.status,
-                             state.bound2, k, settings.kk, capacity, settings.chunk, self_mode)
-    codes = state.codes.at[remote.target].set(remote.codes, mode="drop")  # (n, k)
+                             state.bound2, k, settings.kk, settings.kept, capacity, settings.chunk,
+                             self_mode)
+    codes = state.codes.at[remote.target].set(remote.codes, mode="drop")  # (n, kept)
     ok = (q.valid & (state.status == EXACT)).at[remote.target].set(remote.ok, mode="drop")
     codes, ok = _to_input_order(home, codes, ok)
     codes = jnp.where(codes < 0, n_ext, codes)
@@ -218,7 +225,14 @@ def density_from(dist, nb_mass, k: int):
 
 
 def knn_density_of(query_pos, nb: Neighbours, k: int, box_size: float):
-    """:func:`density_from` of the neighbours, computing only the k-th distance (n,) and
-    gathering only masses: the same values as from the full (n, k) distances."""
-    rk = neighbour_distances(query_pos, nb.column(k - 1), box_size)  # (n, 1)
-    return density_from(jnp.broadcast_to(rk, nb.codes.shape), nb.mass, k)
+    """:func:`density_from` of the neighbours, computing only the k-th distance (n,): the
+    same values as from the full (n, k) distances. With only the k-th neighbour kept
+    (equal masses), its mass stands for each of the k - 1 nearest."""
+    kth = nb.column(nb.codes.shape[1] - 1)
+    rk = neighbour_distances(query_pos, kth, box_size)  # (n, 1)
+    shape = (rk.shape[0], k)
+    if nb.codes.shape[1] == k:
+        mass = nb.mass  # (n, k)
+    else:  # materialised: XLA would turn a sum of a broadcast into a product (other bits)
+        mass = lax.optimization_barrier(jnp.broadcast_to(kth.mass, shape))
+    return density_from(jnp.broadcast_to(rk, shape), mass, k)

@@ -35,6 +35,7 @@ class _Spec(NamedTuple):
     output: str  # "neighbours", "density" or "reduce"
     reduce_fn: Callable | None
     overdensity: bool
+    kth_only: bool = False  # a density of equal masses: keep only the k-th neighbour
 
 
 def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
@@ -61,7 +62,7 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
         mass = mig.payload["mass"]
     ext_mass = decomposition.ghosts.forward(plan.pencils, mass)
     nb, status = knn_device(plan, decomposition.ext, decomposition.ext.pos, ext_mass, spec.k,
-                            spec.config, queries=queries)
+                            spec.config, queries=queries, kth_only=spec.kth_only)
     total_mass = None
     if spec.overdensity:
         total_mass = psum_all(plan.pencils, jnp.sum(jnp.where(mig.valid, mass, 0)))
@@ -169,8 +170,11 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
         query_rows = flat.shape[0]
         args = args + (flat.astype(args[0].dtype), jnp.arange(query_rows) < m)
 
+    equal_masses = problem.mass_kind in ("static", "scalar")
+
     def run(cfg):
-        spec = _Spec(k, cfg, output, reduce_fn, bool(overdensity))
+        spec = _Spec(k, cfg, output, reduce_fn, bool(overdensity),
+                     output == "density" and equal_masses)
         return _knn_program(problem, in_specs, spec, query_rows)(*args)
 
     if is_traced(args):

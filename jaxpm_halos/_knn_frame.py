@@ -105,8 +105,8 @@ class Index(NamedTuple):
       cx, cy, cz: (R,) canonical positions (stopped gradients), one array per coordinate
         (contiguous loads in the distance kernels); every distance is computed from them.
       local: (R, 3) positions in the device's frame.
-      id: (R,) global ids.
       ext_row: (R,) extended row (:class:`~._domain.Extended`) each sorted row copies.
+      ext_id: (E,) the extended rows' global ids (the decomposition's own array).
       owned: (R,) bool: an owned row itself (not a ghost, not an image).
       n: number of valid rows.
     """
@@ -116,14 +116,18 @@ class Index(NamedTuple):
     cy: jax.Array
     cz: jax.Array
     local: jax.Array
-    id: jax.Array
     ext_row: jax.Array
+    ext_id: jax.Array
     owned: jax.Array
     n: jax.Array
 
     @property
     def rows(self) -> int:
         return self.key.shape[0]
+
+    def id(self, rows):
+        """Global ids (...,) of valid sorted rows (...,)."""
+        return self.ext_id[self.ext_row[rows]]
 
     def canon(self, rows):
         """Canonical positions (..., 3) of sorted rows (...,)."""
@@ -138,11 +142,11 @@ def build_index(frame: SearchFrame, ext, origin, image_rows: int):
     local = lax.stop_gradient(local)  # (R, 3)
     ext_row = jnp.concatenate([jnp.arange(n_ext, dtype=int32), source])
     ext_row = jnp.where(valid, ext_row, 0)
-    ids = jnp.where(valid, ext.id[ext_row], SENTINEL)
     key, order = sort_rows(morton_of(frame, local, origin, valid))
     owned = (order < ext.owned) & (key != SENTINEL)
     sorted_ext_row = ext_row[order]
-    canon = canon_ext[sorted_ext_row]
-    index = Index(key, canon[:, 0], canon[:, 1], canon[:, 2], local[order], ids[order],
-                  sorted_ext_row, owned, jnp.sum(valid, dtype=int32))
+    # One coordinate at a time: no (R, 3) copy of the canonical positions.
+    cx, cy, cz = (canon_ext[:, d][sorted_ext_row] for d in range(3))
+    index = Index(key, cx, cy, cz, local[order], sorted_ext_row, ext.id, owned,
+                  jnp.sum(valid, dtype=int32))
     return index, need_images

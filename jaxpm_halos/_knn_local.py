@@ -37,6 +37,7 @@ class SearchSettings(NamedTuple):
 
     k: int
     kk: int
+    kept: int  # neighbours kept per query: k, or 1 (the k-th) for a density of equal masses
     self_mode: bool
     batch: int  # queries per batch, first pass
     group: int  # batches scanned side by side, first pass
@@ -54,7 +55,8 @@ class SearchState(NamedTuple):
     """Per query row: ``radius`` (n,) of its next search (negative: estimate it),
     ``bound2`` (n,) the squared distance of the kk-th row found (the cross-device pass's
     radius), ``status`` (n,) (``AGAIN`` while it must be searched), and ``codes`` (n, k)
-    its finished neighbours as extended rows (``E`` where none)."""
+    its finished neighbours (the last ``kept`` of the k nearest) as extended rows (``E``
+    where none)."""
 
     radius: jax.Array
     bound2: jax.Array
@@ -62,11 +64,46 @@ class SearchState(NamedTuple):
     codes: jax.Array
 
     @classmethod
-    def start(cls, valid, k: int, n_ext: int, dtype):
+    def start(cls, valid, kept: int, n_ext: int, dtype):
         n = valid.shape[0]
         return cls(jnp.full((n,), -1, dtype), jnp.full((n,), jnp.inf, dtype),
                    jnp.where(valid, AGAIN, EXACT).astype(int32),
-                   jnp.full((n, k), n_ext, int32))
+                   jnp.full((n, kept), n_ext, int32))
+
+
+class QueryTable(NamedTuple):
+    """The queries in key order: ``rows`` (n,) the sorted index row where each query's key
+    sits (its own row for owned particles), ``valid`` (n,), and for query points their
+    ``points`` (n, 3) (None for the owned particles: read from the index, so the table
+    holds one int per query)."""
+
+    index: Index
+    rows: jax.Array
+    valid: jax.Array
+    points: jax.Array | None
+
+    @property
+    def size(self) -> int:
+        return self.rows.shape[0]
+
+    def local(self, i):
+        """Frame positions (..., 3) of queries ``i`` (...,)."""
+        return self.index.local[self.rows[i]] if self.points is None else self.points[i]
+
+    def canon(self, i):
+        """Canonical positions (..., 3) of queries ``i``."""
+        return self.index.canon(self.rows[i]) if self.points is None else self.points[i]
+
+    def id(self, i):
+        """Global id excluded from the neighbours of queries ``i`` (-2 for none)."""
+        if self.points is None:
+            return jnp.where(self.valid[i], self.index.id(self.rows[i]), -2)
+        return jnp.full(i.shape, -2, int32)
+
+    def take(self, i, on):
+        """:class:`~._knn_region.Queries` (..., ...) of queries ``i`` (...,), valid where
+        ``on``."""
+        return Queries.make(self.local(i), self.canon(i), self.id(i), on, self.rows[i])
 
 
 def owned_queries(index: Index, n_q: int):
@@ -75,9 +112,7 @@ def owned_queries(index: Index, n_q: int):
     rows, count = selection(index.owned, n_q)  # (n,)
     valid = jnp.arange(n_q) < count
     rows = jnp.clip(rows, 0, index.rows - 1)
-    q = Queries.make(index.local[rows], index.canon(rows), jnp.where(valid, index.id[rows], -2),
-                     valid, rows)
-    return q, jnp.where(valid, index.ext_row[rows], n_q)
+    return QueryTable(index, rows, valid, None), jnp.where(valid, index.ext_row[rows], n_q)
 
 
 def point_queries(frame: SearchFrame, index: Index, origin, qpos, qvalid):
@@ -86,10 +121,8 @@ def point_queries(frame: SearchFrame, index: Index, origin, qpos, qvalid):
     n_q = qpos.shape[0]
     key, order = sort_rows(morton_of(frame, qpos, origin, qvalid))
     valid = jnp.arange(n_q) < jnp.sum(qvalid, dtype=int32)
-    pos = qpos[order]
-    q = Queries.make(pos, pos, jnp.full((n_q,), -2, int32), valid,
-                     jnp.searchsorted(index.key, key).astype(int32))
-    return q, jnp.where(valid, order, n_q)
+    table = QueryTable(index, jnp.searchsorted(index.key, key).astype(int32), valid, qpos[order])
+    return table, jnp.where(valid, order, n_q)
 
 
 def drop_self(d2, ids, codes, self_id, k: int):
@@ -112,11 +145,12 @@ def order_ties(d2, ids, codes):
                     lambda: codes)
 
 
-def finish_lists(d2, ids, codes, self_id, k: int, self_mode: bool):
-    """Neighbour codes (P, k) from searched lists (P, kk): self dropped, ties in id order."""
+def finish_lists(d2, ids, codes, self_id, k: int, self_mode: bool, kept: int):
+    """Neighbour codes (P, kept) from searched lists (P, kk): self dropped, ties in id
+    order, the last ``kept`` of the k nearest."""
     if self_mode:
         d2, ids, codes = drop_self(d2, ids, codes, self_id, k)
-    return order_ties(d2, ids, codes)
+    return order_ties(d2, ids, codes)[:, k - kept:]
 
 
 def classify(frame: SearchFrame, d2, coverage, rho, scale: float):
@@ -147,19 +181,16 @@ class LocalSearch(NamedTuple):
     origin: jax.Array
     cover_lo: jax.Array
     cover_hi: jax.Array
-    q: Queries
+    queries: QueryTable
     n_ext: int
     settings: SearchSettings
 
     def batch_queries(self, slot_query, radius):
         """Queries (G, B, ...) and their radii (G, B) of slot table rows ``slot_query``
         (G, B) (``n`` for empty slots)."""
-        n = self.q.f.shape[0]
-        on = slot_query < n
-        rows = jnp.minimum(slot_query, n - 1)
-        qi = self.q.i[rows]
-        qi = jnp.stack([qi[..., 0], on.astype(int32), qi[..., 2]], axis=-1)
-        return Queries(self.q.f[rows], qi), radius[rows]
+        n = self.queries.size
+        i = jnp.minimum(slot_query, n - 1)
+        return self.queries.take(i, slot_query < n), radius[i]
 
     def plan(self, q: Queries, rho):
         s = self.settings
@@ -204,9 +235,9 @@ def _search_group(search: LocalSearch, state: SearchState, slot_query, scale: fl
     status, radius = classify(search.frame, d2, region.coverage.reshape(P), rho, scale)
     found = rows < index.rows
     safe = jnp.minimum(rows, index.rows - 1)
-    codes = finish_lists(d2, jnp.where(found, index.id[safe], -1),
+    codes = finish_lists(d2, jnp.where(found, index.id(safe), -1),
                          jnp.where(found, index.ext_row[safe], search.n_ext),
-                         q.id.reshape(P), s.k, s.self_mode)  # (P, k)
+                         q.id.reshape(P), s.k, s.self_mode, s.kept)  # (P, kept)
     target = slot_query.reshape(P)
     put = lambda a, v: a.at[target].set(v, mode="drop")
     return SearchState(put(state.radius, radius), put(state.bound2, d2[:, -1]),
@@ -222,7 +253,7 @@ def search_pass(search: LocalSearch, state: SearchState, batch: int, group: int,
     n = state.status.shape[0]
     pick, count = selection(state.status == AGAIN, n)  # (n,)
     live = jnp.arange(n) < count
-    slot, used = batch_slots(search.q.local[jnp.minimum(pick, n - 1)], live, batch,
+    slot, used = batch_slots(search.queries.local(jnp.minimum(pick, n - 1)), live, batch,
                              search.settings.gap, search.settings.span)
     per_group = group * batch
     n_slots = -(-n // per_group) * per_group

@@ -135,7 +135,7 @@ def remote_search(pencils: Pencils, frame: SearchFrame, index: Index, chunks: Ow
 
 class RemoteAnswers(NamedTuple):
     """Finished lists of this device's remote queries: the query rows ``target`` (F,)
-    (``n`` where none), their neighbour ``codes`` (F, k) into ``[extended rows | none |
+    (``n`` where none), their neighbour ``codes`` (F, kept) into ``[extended rows | none |
     answers]``, ``ok`` (F,), and the answers' ``id``, ``pos``, ``mass`` (F * kk, ...)."""
 
     target: jax.Array
@@ -163,8 +163,8 @@ def _merge_devices(pencils: Pencils, answers, kk: int):
 
 
 def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext_pos, ext_mass,
-                    q, status, bound2, k: int, kk: int, capacity: int, chunk: int,
-                    self_mode: bool) -> RemoteAnswers:
+                    queries, status, bound2, k: int, kk: int, kept: int, capacity: int,
+                    chunk: int, self_mode: bool) -> RemoteAnswers:
     """Search the queries of ``status == REMOTE`` (at most ``capacity``) on every device
     and merge the answers (differentiable positions and masses travel with them)."""
     n_q = status.shape[0]
@@ -175,8 +175,8 @@ def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext
     pick, n_far = selection(status == REMOTE, capacity)  # (F,)
     live = jnp.arange(capacity) < n_far
     safe = jnp.clip(pick, 0, n_q - 1)
-    q_canon = q.canon[safe]
-    q_id = jnp.where(live, q.id[safe], -3)
+    q_canon = queries.canon(safe)  # (F, 3)
+    q_id = jnp.where(live, queries.id(safe), -3)
     q_bound = jnp.where(live, bound2[safe], 0)
     own_rows, own_count = selection(index.owned, ext.owned)
 
@@ -193,7 +193,7 @@ def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext
     # The answers go back to the asking devices with differentiable positions.
     safe_rows = jnp.clip(rows, 0, R - 1)
     ext_row = index.ext_row[safe_rows]
-    answers = (d2, jnp.where(rows < R, index.id[safe_rows], -1), ext_pos[ext_row],
+    answers = (d2, jnp.where(rows < R, index.id(safe_rows), -1), ext_pos[ext_row],
                ext_mass[ext_row])
     answers = jax.tree.map(lambda a: all_to_all(pencils, a.reshape((D, capacity) + a.shape[1:])),
                            answers)
@@ -201,6 +201,6 @@ def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext
     found = jnp.isfinite(m_d2)
     m_id = jnp.where(found, m_id, -1)
     codes = E + 1 + jnp.arange(capacity * kk, dtype=int32).reshape(capacity, kk)
-    codes = finish_lists(m_d2, m_id, jnp.where(found, codes, E), q_id, k, self_mode)
+    codes = finish_lists(m_d2, m_id, jnp.where(found, codes, E), q_id, k, self_mode, kept)
     return RemoteAnswers(jnp.where(live, pick, n_q), codes, found[:, kk - 1], m_id.reshape(-1),
                          m_pos.reshape(-1, 3), m_mass.reshape(-1), n_far)
