@@ -33,14 +33,23 @@ def main(argv=None):
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--what", nargs="+", default=["density", "neighbours"])
     parser.add_argument("--top", type=int, default=0)
+    parser.add_argument("--abstract", action="store_true",
+                        help="no snapshot: compile from_jaxpm + the call on an abstract "
+                             "displacement grid (shapes are all the compiled program needs)")
     args = parser.parse_args(argv)
-    snap = jaxpm_snapshot(args.nc, float(args.nc), 20)
     mesh = make_mesh((2, 4))
-    disp = jax.device_put(snap.disp, NamedSharding(mesh, P("x", "y")))
-    x = jaxpm_halos.from_jaxpm(disp, box_size=float(args.nc))
+    sharding = NamedSharding(mesh, P("x", "y"))
+    box = float(args.nc)
     n = args.nc ** 3
-    fns = {"density": lambda p: jaxpm_halos.knn_density(p, k=args.k),
-           "neighbours": lambda p: jaxpm_halos.knn(p, k=args.k)}
+    if args.abstract:
+        x = jax.ShapeDtypeStruct((args.nc,) * 3 + (3,), jax.numpy.float32, sharding=sharding)
+        prep = lambda d: jaxpm_halos.from_jaxpm(d, box_size=box)
+    else:
+        snap = jaxpm_snapshot(args.nc, box, 20)
+        x = jaxpm_halos.from_jaxpm(jax.device_put(snap.disp, sharding), box_size=box)
+        prep = lambda p: p
+    fns = {"density": lambda p: jaxpm_halos.knn_density(prep(p), k=args.k),
+           "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k)}
     for what in args.what:
         compiled = jax.jit(fns[what]).lower(x).compile()
         stats = compiled.memory_analysis()

@@ -1,35 +1,33 @@
-"""Exact distributed k-nearest neighbours and kNN density estimation.
+"""Exact distributed k-nearest neighbours and kNN density estimation: one device's
+pipeline (:func:`knn_device`) and its results (distances, densities).
 
-Per device (inside ``shard_map``):
+The search is split in rooms, each with one job:
 
-1. The particles are migrated to the pencil that holds them and receive ghost copies of
-   every particle within a width ``w`` of the pencil, plus periodic images along z
-   (:mod:`._domain`, :func:`._fof.z_images`). ``w`` defaults to twice the k-th neighbour
-   distance of a uniform density, capped at the pencil width.
-2. All rows are sorted by a Morton key of their position in the device's frame, so every
-   octree node at every level is one contiguous range of rows (:mod:`._cells`).
-3. Queries (the owned particles, or query points migrated to the pencil that holds them)
-   are taken in key order, in batches of up to ``batch_size`` consecutive queries (a batch
-   ends early at a gap, so scattered queries get batches of their own). A batch searches
-   the box ``bbox(batch) + rho``, enumerated as at most 64 octree nodes of the finest level
-   that covers it, nearest first: a batch's work follows its own density (fine nodes in
-   clusters, coarse ones in voids). ``rho`` is estimated from the batch's own density.
-   Batches are ordered by work and stepped ``group_size`` at a time through their
-   candidates; each step tests a window of candidates against every query's current k-th
-   distance and merges up to ``chunk_size`` of those that pass into the running k nearest
-   (``lax.top_k`` with the running list first).
-4. A query is exact when its k-th distance is at most its distance to the boundary of the
-   region known to be complete (the searched nodes, within the ghost layer and within half
-   a box of every query of its batch). Others are searched again with their k-th distance
-   as radius (or twice the radius when fewer than k rows were found), in later passes of
-   the same program, until every query is exact or its sphere leaves the ghost layer.
-   These queries are scattered, so later passes use batches of at most 4. Every pass
-   writes its results straight into the per-query state.
-5. Those last ones (voids near a pencil face, or k-th neighbours beyond a narrow pencil)
-   are gathered on every device; each device whose pencil their sphere reaches returns its
-   own particles' k nearest (brute force over the chunks of its rows the sphere reaches),
-   and the home device merges the answers. Every particle is owned once, so the merge is
-   exact.
+- :mod:`._knn_frame`: the ghost width, the device's frame, and its rows (owned, ghosts of
+  width ``w``, periodic images along z) sorted by Morton key, so every octree node at
+  every level is one contiguous range of rows (the :class:`~._knn_frame.Index`). ``w``
+  defaults to twice the k-th neighbour distance of a uniform density, capped at the
+  pencil width.
+- :mod:`._knn_region`: queries (owned particles, or query points migrated to the pencil
+  that holds them) are taken in key order, in batches of up to ``batch_size`` consecutive
+  queries (a batch ends early at a gap). A batch searches the box ``bbox(batch) + rho``,
+  enumerated as at most 64 octree nodes of the finest level that covers it, nearest
+  first; ``rho`` is estimated from the batch's own density.
+- :mod:`._knn_scan`: a batch steps through its candidates, tests a window of them against
+  every query's current k-th distance and merges up to ``chunk_size`` of those that pass
+  into the running k nearest (``lax.top_k`` with the running list first).
+- :mod:`._knn_local`: passes over the queries. Batches are ordered by work and scanned
+  ``group_size`` at a time. A query is exact when its k-th distance is at most its
+  distance to the boundary of the region known complete; others are searched again with
+  their k-th distance as radius (batches of at most 4), until every query is exact or its
+  sphere leaves the ghost layer. Each batch's lists are finished at once (self dropped,
+  equal distances in id order) and only the finished neighbour codes are kept per query
+  (only the k-th for a density of equal masses), so the search's memory is that of one
+  group of batches plus a few ints per query.
+- :mod:`._knn_remote`: the queries whose sphere leaves the ghost layer are gathered on
+  every device; each device whose pencil their sphere reaches returns its own particles'
+  k nearest, and the home device merges the answers (every particle is owned once, so
+  the merge is exact).
 
 Every distance is computed by :func:`._geometry.periodic_distance2` from canonical wrapped
 coordinates, so distances are bitwise identical on every mesh (ids may differ only among
@@ -212,7 +210,7 @@ def _safe_norm(d2):
 def neighbour_distances(query_pos, nb: Neighbours, box_size: float):
     """Differentiable distances (n, k) from each query to its neighbours; NaN where the
     query was not resolved (invalid rows, or a full cross-device buffer)."""
-    d2 = periodic_distance2(query_pos[:, None, :], nb.pos, box_size)
+    d2 = periodic_distance2(query_pos[:, None, :], nb.pos, box_size)  # (n, k)
     return jnp.where(nb.ok[:, None], _safe_norm(d2), jnp.nan)
 
 
