@@ -158,17 +158,17 @@ def classify(frame: SearchFrame, d2, coverage, rho, scale: float):
     The last column of ``d2`` (P, kk) is the distance that must be covered. A query that
     found fewer than kk rows doubles its radius (starting from ``scale``)."""
     dtype = d2.dtype
-    rk2 = d2[:, -1]
-    found = jnp.isfinite(rk2)
-    rk = jnp.sqrt(rk2)
-    m = jnp.asarray(frame.margin, dtype)
-    half = jnp.asarray(0.5 * frame.box, dtype) - m
-    cov = coverage - m
-    exact = found & (cov > 0) & (rk <= cov) & (rk < half)
+    last2 = d2[:, -1]  # (P,)
+    found = jnp.isfinite(last2)
+    last = jnp.sqrt(last2)
+    margin = jnp.asarray(frame.margin, dtype)
+    half = jnp.asarray(0.5 * frame.box, dtype) - margin
+    clearance = coverage - margin
+    exact = found & (clearance > 0) & (last <= clearance) & (last < half)
     full = jnp.asarray(frame.full, dtype)
     grow = jnp.minimum(jnp.maximum(2 * rho, jnp.asarray(scale, dtype)), full)
-    new_rho = jnp.where(found, rk * (1 + 1e-5) + m, grow)
-    again = jnp.where(found, rho < rk, rho < full)
+    new_rho = jnp.where(found, last * (1 + 1e-5) + margin, grow)
+    again = jnp.where(found, rho < last, rho < full)
     status = jnp.where(exact, EXACT, jnp.where(again, AGAIN, REMOTE)).astype(int32)
     return status, new_rho
 

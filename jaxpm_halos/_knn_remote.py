@@ -76,11 +76,12 @@ class OwnedChunks(NamedTuple):
                    jnp.max(jnp.where(live[..., None], pos, -big), axis=1))
 
 
-def _search_block(index: Index, box: float, chunks: OwnedChunks, bq, reach, kk: int):
-    """The kk nearest owned rows of queries ``bq`` (Bq, 3) within ``reach`` (Bq,) (-1 for
+def _search_block(index: Index, box: float, chunks: OwnedChunks, block_pos, reach, kk: int):
+    """The kk nearest owned rows of queries at ``block_pos`` (Bq, 3) within ``reach`` (Bq,) (-1 for
     an empty slot), over the chunks their spheres reach. Returns (Bq, kk) d2 and rows."""
     R = index.rows
-    gaps = [interval_gap(bq[:, None, d], chunks.lo[None, :, d], chunks.hi[None, :, d], box)
+    gaps = [interval_gap(block_pos[:, None, d], chunks.lo[None, :, d], chunks.hi[None, :, d],
+                         box)
             for d in range(3)]
     near = jnp.sqrt(gaps[0] ** 2 + gaps[1] ** 2 + gaps[2] ** 2) <= reach[:, None]  # (Bq, H)
     n_chunks = chunks.rows.shape[0]
@@ -90,45 +91,45 @@ def _search_block(index: Index, box: float, chunks: OwnedChunks, bq, reach, kk: 
         i, run_d2, run_row = state
         c = todo[i]
         rows = chunks.rows[c]  # (C,)
-        d2 = periodic_distance2(bq[:, None, :], index.canon(jnp.clip(rows, 0, R - 1))[None],
+        d2 = periodic_distance2(block_pos[:, None, :], index.canon(jnp.clip(rows, 0, R - 1))[None],
                                 box)  # (Bq, C)
         ok = chunks.live[c][None, :] & near[:, c][:, None]
         return (i + 1,) + merge_nearest(run_d2, run_row, jnp.where(ok, d2, jnp.inf), rows)
 
-    init = (jnp.int32(0), jnp.full((bq.shape[0], kk), jnp.inf, bq.dtype),
-            jnp.full((bq.shape[0], kk), R, int32))
+    B = block_pos.shape[0]
+    init = (jnp.int32(0), jnp.full((B, kk), jnp.inf, block_pos.dtype), jnp.full((B, kk), R, int32))
     _, d2, rows = lax.while_loop(lambda s: s[0] < n_todo, step, init)
     return d2, rows
 
 
-def remote_search(pencils: Pencils, frame: SearchFrame, index: Index, chunks: OwnedChunks, qc,
-                  qid, bound2, kk: int, block: int):
+def remote_search(pencils: Pencils, frame: SearchFrame, index: Index, chunks: OwnedChunks,
+                  query_pos, query_id, bound2, kk: int, block: int):
     """The ``kk`` nearest owned particles of this device for every device's remote queries
-    ``qc`` (Q, 3) (``qid`` -3 for none) within ``sqrt(bound2)`` (Q,). Only the queries
+    ``query_pos`` (Q, 3) (``query_id`` -3 for none) within ``sqrt(bound2)`` (Q,). Only the queries
     whose sphere reaches this pencil are searched, ``block`` at a time. Returns (Q, kk)
     squared distances and sorted rows (``R`` where none)."""
-    dtype = qc.dtype
+    dtype = query_pos.dtype
     box = frame.box
-    Q = qc.shape[0]
+    Q = query_pos.shape[0]
     reach = jnp.sqrt(bound2) + jnp.asarray(frame.margin, dtype)  # inf stays inf
     lo, hi = pencils.bounds()
-    gap = [interval_gap(qc[:, d], lo[d].astype(dtype), hi[d].astype(dtype), box) if n > 1
+    gap = [interval_gap(query_pos[:, d], lo[d].astype(dtype), hi[d].astype(dtype), box) if n > 1
            else jnp.zeros((Q,), dtype) for d, n in ((0, pencils.px), (1, pencils.py))]
-    relevant = (jnp.sqrt(gap[0] ** 2 + gap[1] ** 2) <= reach) & (qid != -3)
-    rel, n_rel = selection(relevant, Q)
-    rel = jnp.concatenate([rel, jnp.full((block,), Q, int32)])
+    relevant = (jnp.sqrt(gap[0] ** 2 + gap[1] ** 2) <= reach) & (query_id != -3)
+    todo, n_todo = selection(relevant, Q)
+    todo = jnp.concatenate([todo, jnp.full((block,), Q, int32)])
 
     def step(state):
         b, out_d2, out_row = state
-        sel = lax.dynamic_slice_in_dim(rel, b * block, block)  # (Bq,)
-        on = sel < Q
-        safe = jnp.clip(sel, 0, Q - 1)
-        d2, rows = _search_block(index, box, chunks, qc[safe], jnp.where(on, reach[safe], -1), kk)
-        return b + 1, out_d2.at[sel].set(d2), out_row.at[sel].set(rows)
+        picked = lax.dynamic_slice_in_dim(todo, b * block, block)  # (Bq,)
+        safe = jnp.clip(picked, 0, Q - 1)
+        d2, rows = _search_block(index, box, chunks, query_pos[safe],
+                                 jnp.where(picked < Q, reach[safe], -1), kk)
+        return b + 1, out_d2.at[picked].set(d2), out_row.at[picked].set(rows)
 
     init = (jnp.int32(0), jnp.full((Q + 1, kk), jnp.inf, dtype),
             jnp.full((Q + 1, kk), index.rows, int32))
-    n_blocks = (n_rel + block - 1) // block
+    n_blocks = (n_todo + block - 1) // block
     _, out_d2, out_row = lax.while_loop(lambda s: s[0] < n_blocks, step, init)
     return out_d2[:Q], out_row[:Q]
 
@@ -197,10 +198,10 @@ def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext
                ext_mass[ext_row])
     answers = jax.tree.map(lambda a: all_to_all(pencils, a.reshape((D, capacity) + a.shape[1:])),
                            answers)
-    m_d2, m_id, m_pos, m_mass = _merge_devices(pencils, answers, kk)  # (F, kk, ...)
-    found = jnp.isfinite(m_d2)
-    m_id = jnp.where(found, m_id, -1)
+    d2, ids, pos, mass = _merge_devices(pencils, answers, kk)  # (F, kk, ...)
+    found = jnp.isfinite(d2)
+    ids = jnp.where(found, ids, -1)
     codes = E + 1 + jnp.arange(capacity * kk, dtype=int32).reshape(capacity, kk)
-    codes = finish_lists(m_d2, m_id, jnp.where(found, codes, E), q_id, k, self_mode, kept)
-    return RemoteAnswers(jnp.where(live, pick, n_q), codes, found[:, kk - 1], m_id.reshape(-1),
-                         m_pos.reshape(-1, 3), m_mass.reshape(-1), n_far)
+    codes = finish_lists(d2, ids, jnp.where(found, codes, E), q_id, k, self_mode, kept)
+    return RemoteAnswers(jnp.where(live, pick, n_q), codes, found[:, kk - 1], ids.reshape(-1),
+                         pos.reshape(-1, 3), mass.reshape(-1), n_far)
