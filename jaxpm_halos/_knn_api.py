@@ -17,7 +17,7 @@ from ._domain import Decomposition, psum_all
 from ._frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
                         prepare, program_cache, row_masses, trim_padding)
 from ._geometry import wrap
-from ._knn import density_from, ghost_width, knn_device, neighbour_distances
+from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances
 from ._layout import Pencils
 from ._particles import Particles
 from ._pipeline import Plan, Step, analyse, on_device, plan_for, run_sharded
@@ -35,19 +35,20 @@ class _Spec(NamedTuple):
     output: str  # "neighbours", "density" or "reduce"
     reduce_fn: Callable | None
     overdensity: bool
+    kth_only: bool = False  # a density of equal masses: keep only the k-th neighbour
 
 
 def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
     """Per-row outputs from the neighbours, on the device."""
     k, box = spec.k, plan.pencils.box_size
-    dist = neighbour_distances(qpos, nb, box)
-    if spec.output == "neighbours":
-        return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
     if spec.output == "density":
-        rho = density_from(dist, nb.mass, k)
+        rho = knn_density_of(qpos, nb, k, box)
         if spec.overdensity:
             rho = rho / (total_mass / box ** 3) - 1
         return {"rho": rho}
+    dist = neighbour_distances(qpos, nb, box)
+    if spec.output == "neighbours":
+        return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
     data = dict(data)
     data["neighbour_mass"] = nb.mass
     return {"value": spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)}
@@ -61,7 +62,7 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
         mass = mig.payload["mass"]
     ext_mass = decomposition.ghosts.forward(plan.pencils, mass)
     nb, status = knn_device(plan, decomposition.ext, decomposition.ext.pos, ext_mass, spec.k,
-                            spec.config, queries=queries)
+                            spec.config, queries=queries, kth_only=spec.kth_only)
     total_mass = None
     if spec.overdensity:
         total_mass = psum_all(plan.pencils, jnp.sum(jnp.where(mig.valid, mass, 0)))
@@ -169,8 +170,11 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
         query_rows = flat.shape[0]
         args = args + (flat.astype(args[0].dtype), jnp.arange(query_rows) < m)
 
+    equal_masses = problem.mass_kind in ("static", "scalar")
+
     def run(cfg):
-        spec = _Spec(k, cfg, output, reduce_fn, bool(overdensity))
+        spec = _Spec(k, cfg, output, reduce_fn, bool(overdensity),
+                     output == "density" and equal_masses)
         return _knn_program(problem, in_specs, spec, query_rows)(*args)
 
     if is_traced(args):

@@ -210,6 +210,17 @@ def test_density_with_masses_and_overdensity(clustered):
     np.testing.assert_allclose(np.asarray(delta), rho / mean - 1, rtol=1e-4, atol=1e-4)
 
 
+def test_density_of_equal_masses_equals_per_particle_masses(clustered):
+    """Equal masses (static or a traced scalar) keep only the k-th neighbour; the densities
+    are bitwise those of the same masses given per particle (all k - 1 gathered)."""
+    x = _shard(make_mesh((2, 4)), clustered)
+    m = 0.37  # not a power of two: a product would differ from the sum in the last bits
+    rows = np.asarray(jh.knn_density(x, BOX, 16, mass=np.full(N, m, np.float32)))
+    np.testing.assert_array_equal(np.asarray(jh.knn_density(x, BOX, 16, mass=m)), rows)
+    np.testing.assert_array_equal(np.asarray(jh.knn_density(x, BOX, 16, mass=jnp.float32(m))),
+                                  rows)
+
+
 def test_query_points(clustered):
     k = 8
     rng = np.random.default_rng(2)

@@ -1,0 +1,79 @@
+"""XLA temporaries of kNN (per device x devices, per particle) from ``memory_analysis``.
+
+    python benchmarks/knn_memory.py [--nc 64] [--k 16] [--what density neighbours] [--top 12]
+
+Compiles ``knn_density`` (and ``knn`` returning full lists) on a JaxPM z = 0 snapshot, mesh
+(2, 4) of 8 CPU devices, without running it, and prints XLA's temporary bytes per particle.
+``--top`` lists the largest buffers of the compiled program (from its buffer assignment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import jax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxpm_halos  # noqa: E402
+from conftest import make_mesh  # noqa: E402
+from snapshots import jaxpm_snapshot  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nc", type=int, default=64)
+    parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--what", nargs="+", default=["density", "neighbours"])
+    parser.add_argument("--top", type=int, default=0)
+    parser.add_argument("--abstract", action="store_true",
+                        help="no snapshot: compile from_jaxpm + the call on an abstract "
+                             "displacement grid (shapes are all the compiled program needs)")
+    args = parser.parse_args(argv)
+    mesh = make_mesh((2, 4))
+    sharding = NamedSharding(mesh, P("x", "y"))
+    box = float(args.nc)
+    n = args.nc ** 3
+    if args.abstract:
+        x = jax.ShapeDtypeStruct((args.nc,) * 3 + (3,), jax.numpy.float32, sharding=sharding)
+        prep = lambda d: jaxpm_halos.from_jaxpm(d, box_size=box)
+    else:
+        snap = jaxpm_snapshot(args.nc, box, 20)
+        x = jaxpm_halos.from_jaxpm(jax.device_put(snap.disp, sharding), box_size=box)
+        prep = lambda p: p
+    fns = {"density": lambda p: jaxpm_halos.knn_density(prep(p), k=args.k),
+           "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k)}
+    for what in args.what:
+        compiled = jax.jit(fns[what]).lower(x).compile()
+        stats = compiled.memory_analysis()
+        temp = stats.temp_size_in_bytes * len(jax.devices())
+        print(f"{args.nc}^3 k={args.k} {what}: XLA temp {temp / n:.0f} B/particle "
+              f"({stats.temp_size_in_bytes / 2**20:.1f} MiB per device)", flush=True)
+        if args.top:
+            text = compiled.as_text()
+            sizes = []
+            for m in re.finditer(r"(\w+)\[([\d,]*)\]\{[^}]*\} %?([\w.\-]+)", text):
+                dims = [int(d) for d in m.group(2).split(",") if d]
+                size = 1
+                for d in dims:
+                    size *= d
+                sizes.append((size, m.group(1), m.group(2), m.group(3)))
+            seen = set()
+            for size, dt, dims, name in sorted(sizes, reverse=True):
+                if (dt, dims) in seen:
+                    continue
+                seen.add((dt, dims))
+                print(f"   {dt}[{dims}]  {name}")
+                if len(seen) >= args.top:
+                    break
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""kNN search frame of one device: ghost width, the frame's static geometry, and the
+device's rows sorted by Morton key (the index every search reads).
+
+Shapes in comments: ``R`` sorted rows of the index (extended rows plus z images).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._cells import MORTON_BITS, morton_key, sort_rows
+from ._config import KNNConfig
+from ._fof import z_images
+from ._layout import Pencils
+
+int32 = jnp.int32
+SENTINEL = np.iinfo(np.int32).max
+LEVELS = MORTON_BITS
+
+
+def uniform_knn_radius(k: int, total: int, box_size: float) -> float:
+    """The k-th neighbour distance in a uniform density of ``total`` particles."""
+    density = total / box_size ** 3
+    return (3 * k / (4 * math.pi * density)) ** (1 / 3)
+
+
+def requested_width(k: int, total: int, box_size: float, config: KNNConfig) -> float:
+    """The ghost width asked for, before the cap at the pencil side."""
+    if config.ghost_width is not None:
+        return max(float(config.ghost_width), 0.0)
+    return config.ghost_factor * uniform_knn_radius(k, total, box_size)
+
+
+def ghost_width(k: int, total: int, pencils: Pencils, config: KNNConfig = KNNConfig()) -> float:
+    """Ghost layer used by kNN: ``config.ghost_width`` or ``ghost_factor`` times the uniform
+    k-th neighbour distance, capped at the narrower pencil side (a wider sphere is completed
+    by the cross-device pass)."""
+    wx, wy = pencils.widths
+    return float(min(requested_width(k, total, pencils.box_size, config), wx, wy))
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchFrame:
+    """Static geometry of a device's frame: the pencil plus ghost layers of ``width`` in x
+    and y, the box plus images of ``width`` in z, inside a cube of side ``side``;
+    ``margin`` absorbs float rounding in every coverage test."""
+
+    box: float
+    width: float
+    side: float
+    margin: float
+
+    @classmethod
+    def of(cls, pencils: Pencils, width: float, dtype) -> "SearchFrame":
+        wx, wy = pencils.widths
+        box = pencils.box_size
+        side = max(wx, wy, box) + 2 * width
+        side *= 1 + 1e-5
+        eps = float(np.finfo(dtype).eps)
+        return cls(box, float(width), float(side), 32 * eps * (box + side))
+
+    def arrays(self, pencils: Pencils, dtype):
+        """Traced ``(origin, cover_lo, cover_hi)``: the frame's origin (3,) and the box the
+        ghost layer fully covers, shrunk by the margin."""
+        lo, hi = pencils.bounds()
+        w = jnp.asarray(self.width, dtype)
+        origin = jnp.stack([lo[0].astype(dtype) - w, lo[1].astype(dtype) - w, -w])
+        top = jnp.stack([hi[0].astype(dtype) + w, hi[1].astype(dtype) + w,
+                         jnp.asarray(self.box, dtype) + w])
+        m = jnp.asarray(self.margin, dtype)
+        return origin, origin + m, top - m
+
+    @property
+    def full(self) -> float:
+        """A radius that makes any batch search the whole frame."""
+        return 4.0 * self.side
+
+
+def finest_cells(frame: SearchFrame, local, origin):
+    """Finest-level octree cell (n, 3) of frame positions ``local`` (n, 3)."""
+    fine = frame.side / (1 << LEVELS)
+    cell = jnp.floor((local - origin) / jnp.asarray(fine, local.dtype)).astype(int32)
+    return jnp.clip(cell, 0, (1 << LEVELS) - 1)
+
+
+def morton_of(frame: SearchFrame, local, origin, valid):
+    """Morton key (n,) of frame positions, ``SENTINEL`` where not valid."""
+    cell = finest_cells(frame, local, origin)
+    return jnp.where(valid, morton_key(cell[:, 0], cell[:, 1], cell[:, 2]), SENTINEL)
+
+
+class Index(NamedTuple):
+    """One device's rows (owned, ghosts, z images) sorted by Morton key, so that every
+    octree node at every level is one contiguous range of rows.
+
+    Attributes:
+      key: (R,) sorted keys, ``SENTINEL`` after the ``n`` valid rows.
+      cx, cy, cz: (R,) canonical positions (stopped gradients), one array per coordinate
+        (contiguous loads in the distance kernels); every distance is computed from them.
+      local: (R, 3) positions in the device's frame.
+      ext_row: (R,) extended row (:class:`~._domain.Extended`) each sorted row copies.
+      ext_id: (E,) the extended rows' global ids (the decomposition's own array).
+      owned: (R,) bool: an owned row itself (not a ghost, not an image).
+      n: number of valid rows.
+    """
+
+    key: jax.Array
+    cx: jax.Array
+    cy: jax.Array
+    cz: jax.Array
+    local: jax.Array
+    ext_row: jax.Array
+    ext_id: jax.Array
+    owned: jax.Array
+    n: jax.Array
+
+    @property
+    def rows(self) -> int:
+        return self.key.shape[0]
+
+    def id(self, rows):
+        """Global ids (...,) of valid sorted rows (...,)."""
+        return self.ext_id[self.ext_row[rows]]
+
+    def canon(self, rows):
+        """Canonical positions (..., 3) of sorted rows (...,)."""
+        return jnp.stack([self.cx[rows], self.cy[rows], self.cz[rows]], axis=-1)
+
+
+def build_index(frame: SearchFrame, ext, origin, image_rows: int):
+    """Sort a device's extended rows plus z images. Returns ``(index, need_images)``."""
+    local, valid, source, need_images = z_images(ext, frame.width, frame.box, image_rows)
+    n_ext = ext.pos.shape[0]
+    canon_ext = lax.stop_gradient(ext.pos)  # (E, 3)
+    local = lax.stop_gradient(local)  # (R, 3)
+    ext_row = jnp.concatenate([jnp.arange(n_ext, dtype=int32), source])
+    ext_row = jnp.where(valid, ext_row, 0)
+    key, order = sort_rows(morton_of(frame, local, origin, valid))
+    owned = (order < ext.owned) & (key != SENTINEL)
+    sorted_ext_row = ext_row[order]
+    # One coordinate at a time: no (R, 3) copy of the canonical positions.
+    cx, cy, cz = (canon_ext[:, d][sorted_ext_row] for d in range(3))
+    index = Index(key, cx, cy, cz, local[order], sorted_ext_row, ext.id, owned,
+                  jnp.sum(valid, dtype=int32))
+    return index, need_images
