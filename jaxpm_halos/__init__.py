@@ -6,13 +6,14 @@ Importing this package imports only jax and numpy (never jaxpm or jaxdecomp).
 from . import units
 from ._adjoint import correct_jaxpm_adjoints
 from ._catalogue import Catalogue
-from ._config import DomainConfig, FoFConfig, KNNConfig
+from ._config import DomainConfig, FoFConfig, KNNConfig, SOConfig
 from ._fof import fof, fof_local
 from ._frontend import clear_caches
 from ._jaxpm import from_jaxpm
 from ._knn_api import knn, knn_density, knn_local, knn_on_decomposition
 from ._particles import Particles
 from ._retry import GrowthWarning
+from ._so import spherical_overdensity
 from ._status import CapacityError, Failure, FailureKind, InvalidInputError, Status
 from .extension import EXTENSION, InSitu, Snapshot, register
 from .extension import check as check_insitu
@@ -24,6 +25,7 @@ __all__ = [
     "DomainConfig",
     "FoFConfig",
     "KNNConfig",
+    "SOConfig",
     "from_jaxpm",
     "units",
     # analyses
@@ -34,6 +36,7 @@ __all__ = [
     "knn_density",
     "knn_local",
     "knn_on_decomposition",
+    "spherical_overdensity",
     # in situ (the JaxPM extension)
     "EXTENSION",
     "InSitu",

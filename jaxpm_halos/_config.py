@@ -152,6 +152,36 @@ class KNNConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SOConfig:
+    """Spherical-overdensity settings. None of them changes the results, only the cost,
+    except that a search radius or a buffer that is too small is reported (see
+    :class:`~jaxpm_halos.Status`).
+
+    Attributes:
+      radius: the largest SO radius that can be measured, in the unit of the positions
+        (also the width of the ghost layer). ``None`` picks 4 mean particle separations
+        (the R200m of a halo of ~50,000 particles). It must stay below a third of the box
+        and within the narrower pencil side.
+      levels: searches of radius ``radius / 2**(levels - 1)``, ..., ``radius / 2``,
+        ``radius``: a centre is searched again, twice as far, only while its profile has
+        not fallen below the threshold, so small haloes cost a small search.
+      pair_factor: rows of the buffer of candidate (centre, particle) pairs handled at once,
+        in units of ``n0``. Centres are handled in batches that fit; the candidates of one
+        centre must fit. ``None`` picks 1, plus 128 rows.
+      domain: the domain exchange buffers.
+    """
+
+    radius: float | None = None
+    levels: int = 4
+    pair_factor: float | None = None
+    domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
+
+    def pair_rows(self, n0: int) -> int:
+        return _default_rows(1.0 if self.pair_factor is None else self.pair_factor, n0,
+                             self.pair_factor)
+
+
+@dataclasses.dataclass(frozen=True)
 class Knob:
     """A config field that sizes a buffer, named as ``(class, field)``.
 
@@ -176,3 +206,5 @@ GHOSTS = Knob(DomainConfig, "ghost_factor")
 IMAGES = Knob(DomainConfig, "image_factor")
 MAX_HALOS = Knob(FoFConfig, "max_halos")
 REMOTE = Knob(KNNConfig, "remote_factor")
+SO_RADIUS = Knob(SOConfig, "radius")
+SO_PAIRS = Knob(SOConfig, "pair_factor")

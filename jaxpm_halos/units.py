@@ -16,10 +16,14 @@ Constants:
 
 from __future__ import annotations
 
+import math
+import re
+
 RHO_CRIT = 2.775e11  # h^2 Msun / Mpc^3
 H0 = 100.0  # km/s / (Mpc/h)
 
-__all__ = ["H0", "RHO_CRIT", "grid_to_mpc", "momentum_to_velocity", "particle_mass"]
+__all__ = ["H0", "RHO_CRIT", "grid_to_mpc", "momentum_to_velocity", "particle_mass",
+           "so_density"]
 
 
 def particle_mass(omega_m, box_size, nc):
@@ -80,3 +84,50 @@ def momentum_to_velocity(p, a, box_size, nc):
       nc: grid cells per side.
     """
     return p * (H0 * box_size / nc) / a
+
+
+_OVERDENSITY = re.compile(r"^(\d+(?:\.\d*)?)([cm])$")
+
+
+def so_density(definition: str, *, omega_m, a=1.0):
+    """Threshold mean density of a spherical-overdensity definition, comoving, in
+    (Msun/h) / (Mpc/h)^3: pass it to :func:`jaxpm_halos.spherical_overdensity` with masses
+    in Msun/h and comoving positions in Mpc/h.
+
+    Flat LCDM without radiation, ``E(a)^2 = Omega_m a^-3 + 1 - Omega_m``. The critical
+    density at ``a`` is ``rho_c(a) = RHO_CRIT E(a)^2`` (physical); comoving densities are
+    physical ones times ``a^3``, and the mean matter density is ``Omega_m RHO_CRIT`` at
+    every ``a``. With ``Delta`` a number:
+
+    * ``"<Delta>c"`` (``"200c"``, ``"500c"``): ``Delta rho_c(a) a^3
+      = Delta RHO_CRIT (Omega_m + (1 - Omega_m) a^3)``;
+    * ``"<Delta>m"`` (``"200m"``): ``Delta Omega_m RHO_CRIT``;
+    * ``"vir"`` (Bryan & Norman 1998, their Eq. 6 for a flat universe):
+      ``Delta_c = 18 pi^2 + 82 x - 39 x^2`` with ``x = Omega_m(a) - 1`` and
+      ``Omega_m(a) = Omega_m a^-3 / E(a)^2``, then ``Delta_c rho_c(a) a^3``. At ``a = 1``,
+      ``Omega_m = 0.3``: ``Delta_c = 101.1`` (337 times the mean density).
+
+    Args:
+      definition: ``"200c"``, ``"500c"``, ``"200m"``, ``"vir"`` or any ``"<Delta>c"`` /
+        ``"<Delta>m"``.
+      omega_m: matter density parameter today.
+      a: scale factor (a number or an array, also traced inside ``jit``).
+    """
+    if not isinstance(definition, str):
+        raise ValueError(f"an SO definition is a string such as '200c', got {definition!r}")
+    if isinstance(omega_m, (int, float)) and not 0 < omega_m <= 1:
+        raise ValueError(f"omega_m must lie in (0, 1] for flat LCDM, got {omega_m}")
+    a3 = a * a * a
+    critical = RHO_CRIT * (omega_m + (1 - omega_m) * a3)  # rho_c(a) a^3
+    if definition == "vir":
+        omega_a = omega_m / (omega_m + (1 - omega_m) * a3)
+        x = omega_a - 1
+        return (18 * math.pi ** 2 + 82 * x - 39 * x * x) * critical
+    match = _OVERDENSITY.match(definition)
+    if match is None:
+        raise ValueError(f"unknown SO definition {definition!r}: use '200c', '500c', '200m', "
+                         "'vir', or '<Delta>c' / '<Delta>m'")
+    delta = float(match.group(1))
+    if not delta > 0:
+        raise ValueError(f"SO definition {definition!r}: Delta must be positive")
+    return delta * (critical if match.group(2) == "c" else omega_m * RHO_CRIT)

@@ -1,0 +1,377 @@
+"""Spherical-overdensity (SO) masses and radii about given centres, exact and distributed.
+
+Definition (first downcrossing, over all particles, periodic): sort the particles by their
+minimum-image distance ``r`` from the centre, let ``M_i`` be the mass of the ``i``
+nearest, and let ``i*`` be the first ``i`` with ``M_i < density * 4/3 pi r_i^3``. Then
+``M = M_{i*-1}`` and ``R = (3 M / (4 pi density))^(1/3)``, which lies in
+``[r_{i*-1}, r_{i*})``; ``M = R = 0`` when the nearest particle is already below.
+
+Per device (inside ``shard_map``):
+
+1. the particles are decomposed with ghosts as wide as the largest radius searched
+   (``SOConfig.radius``), so every particle within that radius of a centre in the pencil
+   is on the pencil's device, and periodic images along z are appended;
+2. the device takes the centres inside its pencil. For each search level ``r_l`` (the
+   radius halved ``levels - 1`` times, then doubled back up) the rows are sorted into
+   x-y columns of side ``r_l / 2``, and a pending centre's candidates are the z windows
+   ``[z - r_l, z + r_l]`` of the 5 x 5 columns around it;
+3. pending centres are handled in batches whose candidates fit the pair buffer: exact
+   canonical distances, one sort by (centre, distance), running masses, the first
+   downcrossing of every threshold;
+4. a centre whose profile has not fallen below some threshold within ``r_l`` is searched
+   at the next level, unless the particles within ``r_l`` already prove the next one
+   falls below (their mass plus the heaviest particle's is below the threshold mass at
+   ``r_l``). Centres left after the last level are reported through the status (NaN).
+
+Every centre is handled by exactly one device; results are summed over devices, so they
+are replicated and the same on every mesh up to the order of float additions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ._cells import CellGrid, column_start, search_columns, sort_columns
+from ._config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
+from ._domain import Decomposition, pmax_all, psum_all
+from ._fof import z_images
+from ._frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
+from ._geometry import periodic_distance2, wrap
+from ._layout import Pencils
+from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
+from ._retry import run_growing
+from ._status import InvalidInputError, Limit, Status, is_traced
+
+int32 = jnp.int32
+_REACH = 2  # columns of side r / 2 on each side of a centre's column cover the radius r
+_FOUR_THIRDS_PI = 4.0 / 3.0 * math.pi
+
+
+def search_width(radius: float, box_size: float) -> float:
+    """Ghost layer for searches up to ``radius``, with FoF's margin for rounding at faces."""
+    return float(radius) * (1 + 1e-5) + 8 * float(np.finfo(np.float32).eps) * box_size
+
+
+def radius_limit(radius: float, box_size: float) -> Limit:
+    """The search radius as a :class:`Limit`: "rows" are thousandths of the box."""
+    scale = 1000.0 / box_size
+    return Limit(SO_RADIUS, math.ceil(radius * scale), scale)
+
+
+def check_radius(radius: float, box_size: float, pencils: Pencils) -> float:
+    """A search radius that the decomposition supports, or a ValueError naming the limit."""
+    radius = float(radius)
+    if not radius > 0 or not math.isfinite(radius):
+        raise ValueError(f"SOConfig(radius={radius!r}): the SO search radius must be positive")
+    if 3 * radius >= box_size:
+        raise ValueError(f"SOConfig(radius={radius:g}): the SO search radius must stay below a "
+                         f"third of the box ({box_size:g})")
+    narrowest = min(pencils.widths)
+    if search_width(radius, box_size) > narrowest:
+        raise ValueError(f"SOConfig(radius={radius:g}): the SO search radius is the ghost layer "
+                         f"and must fit in a pencil ({narrowest:g}) of the ({pencils.px}, "
+                         f"{pencils.py}) mesh; use fewer devices along that axis")
+    return radius
+
+
+def resolve_radius(config: SOConfig, mean_separation: float, pencils: Pencils) -> float:
+    """``config.radius``, checked, or the default: 4 mean particle separations, within
+    what the mesh supports (the narrower pencil side, a third of the box)."""
+    box = pencils.box_size
+    if config.radius is not None:
+        return check_radius(config.radius, box, pencils)
+    widest = (min(pencils.widths) - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5)
+    return check_radius(min(4 * mean_separation, widest * (1 - 1e-6), box / 3.01), box, pencils)
+
+
+class _Frame(NamedTuple):
+    """One device's rows for the search: extended rows plus z images (R rows)."""
+
+    local: jax.Array  # (R, 3) positions in the device's unwrapped frame
+    canon: jax.Array  # (R, 3) canonical positions in [0, L): every distance uses these
+    mass: jax.Array  # (R,)
+    valid: jax.Array  # (R,)
+    origin: jax.Array  # (3,) lower corner of the frame
+    lengths: tuple  # (lx, ly) of the frame, static
+
+
+def _frame(plan: Plan, decomposition: Decomposition, mass):
+    """The search frame and the rows the z images needed."""
+    pencils, ext, width = plan.pencils, decomposition.ext, plan.width
+    ext_mass = decomposition.ghosts.forward(pencils, mass)
+    local, valid, source, need_images = z_images(ext, width, pencils.box_size, plan.image_rows)
+    pick = lambda a: jnp.concatenate([a, jnp.take(a, source, axis=0, mode="fill", fill_value=0)])
+    lo, _ = pencils.bounds()
+    origin = jnp.stack([lo[0] - width, lo[1] - width, jnp.float32(-width)]).astype(local.dtype)
+    wx, wy = pencils.widths
+    frame = _Frame(local, pick(ext.pos), pick(ext_mass), valid, origin,
+                   (wx + 2 * width, wy + 2 * width))
+    return frame, need_images
+
+
+def _windows(frame: _Frame, centres, reach: float):
+    """Candidate ranges of each centre: ``(cols, starts, ends)`` with (H, 25) ranges of
+    sorted positions, the z windows ``[z - reach, z + reach]`` of the 5 x 5 columns of side
+    ``reach / 2`` around the centre's column."""
+    side = reach / _REACH
+    cols = sort_columns(frame.lengths, side, frame.local, frame.origin, frame.valid)
+    grid = CellGrid.covering((frame.lengths[0], frame.lengths[1], 0.0), side)  # as sort_columns
+    nx, ny = cols.shape
+    sides = jnp.asarray(grid.side[:2], centres.dtype)
+    c = jnp.floor((centres[:, :2] - frame.origin[:2]) / sides).astype(int32)  # (H, 2)
+    z = centres[:, 2]
+    starts, ends = [], []
+    for dx in range(-_REACH, _REACH + 1):
+        for dy in range(-_REACH, _REACH + 1):
+            cx, cy = c[:, 0] + dx, c[:, 1] + dy
+            inside = (cx >= 0) & (cx < nx) & (cy >= 0) & (cy < ny)
+            key = jnp.where(inside, cx * ny + cy, nx * ny)
+            lo, hi = column_start(cols, key), column_start(cols, key + 1)
+            start = search_columns(cols.z, lo, hi, z - reach, False)
+            end = search_columns(cols.z, lo, hi, z + reach, True)
+            starts.append(jnp.where(inside, start, 0))
+            ends.append(jnp.where(inside, jnp.maximum(end, start), 0))
+    return cols, jnp.stack(starts, 1), jnp.stack(ends, 1)  # (H, 25) each
+
+
+def _segment_cumsum(values, starts):
+    """Inclusive running sums that restart wherever ``starts`` holds."""
+
+    def combine(a, b):
+        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
+
+    return lax.associative_scan(combine, (starts, values))[1]
+
+
+class _Batch(NamedTuple):
+    """Downcrossings of one batch of centres at one search radius."""
+
+    mass: jax.Array  # (H, D) mass within the downcrossing (batch centres)
+    found: jax.Array  # (H, D) the downcrossing lies within the searched radius (or just past)
+
+
+def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, heaviest,
+           box: float, pairs: int) -> _Batch:
+    """Profiles of the ``batch`` centres from their candidates (at most ``pairs``)."""
+    h = centres.shape[0]
+    lengths = jnp.where(batch[:, None], ends - starts, 0).reshape(-1)  # (H * 25,)
+    cum = jnp.cumsum(lengths, dtype=int32)
+    t = jnp.arange(pairs, dtype=int32)
+    live = t < cum[-1]
+    flat = jnp.minimum(jnp.searchsorted(cum, t, side="right").astype(int32), cum.shape[0] - 1)
+    centre = flat // starts.shape[1]
+    row = cols.order[jnp.minimum(starts.reshape(-1)[flat] + t - (cum[flat] - lengths[flat]),
+                                 cols.order.shape[0] - 1)]
+    d2 = periodic_distance2(frame.canon[row], centres[centre], box)  # (P,)
+    inside = live & frame.valid[row] & (d2 <= jnp.asarray(radius * radius, d2.dtype))
+    key = jnp.where(inside, centre, h)
+    key, d2, m = lax.sort((key, jnp.where(inside, d2, jnp.inf), frame.mass[row]), num_keys=2)
+    inside = key < h
+    m = jnp.where(inside, m, 0)
+    first = inside & jnp.concatenate([jnp.ones(1, bool), key[1:] != key[:-1]])
+    within = _segment_cumsum(m, first)  # (P,) mass of the i nearest
+    before = jnp.where(first, 0, jnp.concatenate([jnp.zeros(1, m.dtype), within[:-1]]))
+    r = jnp.sqrt(d2)
+    volume = _FOUR_THIRDS_PI * r * r * r
+    below = inside[:, None] & (within[:, None] < density[None, :] * volume[:, None])  # (P, D)
+    position = jnp.where(below, t[:, None], pairs)
+    crossing = jax.ops.segment_min(position, key, num_segments=h + 1)[:h]  # (H, D)
+    found = crossing < pairs
+    total = jax.ops.segment_sum(m, key, num_segments=h + 1)[:h]  # (H,)
+    mass = jnp.where(found, before[jnp.minimum(crossing, pairs - 1)], total[:, None])
+    # The next particle lies beyond the radius: it is below when even the heaviest one
+    # added to the mass within the radius stays under the threshold mass there.
+    edge = density * jnp.asarray(_FOUR_THIRDS_PI * radius ** 3, density.dtype)
+    found = found | (total[:, None] + heaviest < edge[None, :])
+    return _Batch(mass, found)
+
+
+def _level(frame: _Frame, centres, pending, density, radius: float, heaviest, box: float,
+           pairs: int, mass):
+    """One search radius for the ``pending`` centres, in batches that fit ``pairs``.
+
+    Returns ``(mass, done, need_pairs)``: masses updated where resolved, the centres
+    resolved at this level, and the most candidates one centre needed.
+    """
+    reach = radius * (1 + 1e-5) + 8 * float(np.finfo(np.float32).eps) * box
+    cols, starts, ends = _windows(frame, centres, reach)
+    counts = jnp.sum(ends - starts, axis=1)  # (H,)
+    need = jnp.max(jnp.where(pending, counts, 0))
+    # A centre whose candidates alone overflow the buffer cannot be handled: it stays
+    # unresolved (and the status says how many rows it needed).
+    todo = pending & (counts <= pairs)
+
+    def body(state):
+        todo, mass, done = state
+        batch = todo & (jnp.cumsum(jnp.where(todo, counts, 0)) <= pairs)
+        result = _batch(frame, cols, starts, ends, batch, centres, density, radius, heaviest,
+                        box, pairs)
+        resolved = batch & jnp.all(result.found, axis=1)
+        mass = jnp.where(resolved[:, None], result.mass, mass)
+        return todo & ~batch, mass, done | resolved
+
+    _, mass, done = lax.while_loop(lambda s: jnp.any(s[0]), body,
+                                   (todo, mass, jnp.zeros_like(pending)))
+    return mass, done, need
+
+
+def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centre_valid,
+                        density, config: SOConfig, radius: float, mass=None):
+    """SO masses and radii about ``centres`` (H, 3), replicated on every device.
+
+    ``plan.width`` must be at least :func:`search_width` of ``radius``; ``density`` is
+    (D,). Returns ``(mass, radius, status)``, masses and radii (H, D), replicated; 0 for
+    invalid centres, NaN where the profile had not fallen below the threshold within
+    ``radius``.
+    """
+    pencils, box = plan.pencils, plan.pencils.box_size
+    migrated = decomposition.migrated
+    if mass is None:
+        mass = migrated.payload["mass"]
+    frame, need_images = _frame(plan, decomposition, mass)
+    heaviest = pmax_all(pencils, jnp.max(jnp.where(migrated.valid, mass, 0)))
+    centres = wrap(jax.lax.stop_gradient(centres), box)
+    i, j = pencils.block_of(centres)
+    ci, cj = pencils.coords()
+    mine = centre_valid & jnp.all(jnp.isfinite(centres), axis=1) & (i == ci) & (j == cj)
+    density = jnp.asarray(density, frame.canon.dtype)
+    pairs = config.pair_rows(plan.n0)
+    result = jnp.zeros((centres.shape[0], density.shape[0]), frame.canon.dtype)
+    pending, need_pairs = mine, jnp.int32(0)
+    for level in range(config.levels):
+        r = radius / 2 ** (config.levels - 1 - level)
+        result, done, need = _level(frame, centres, pending, density, r, heaviest, box, pairs,
+                                    result)
+        pending, need_pairs = pending & ~done, jnp.maximum(need_pairs, need)
+    result = jnp.where(pending[:, None], jnp.nan, result)
+    so_mass = psum_all(pencils, jnp.where(mine[:, None], result, 0))
+    so_radius = jnp.cbrt(3 * so_mass / (4 * math.pi * density[None, :]))
+    unresolved = psum_all(pencils, jnp.sum(pending, dtype=int32))
+    status = _status(plan, config, radius, need_images, need_pairs, unresolved)
+    return so_mass, so_radius, status
+
+
+def _status(plan: Plan, config: SOConfig, radius: float, need_images, need_pairs, unresolved):
+    box = plan.pencils.box_size
+    reach = radius_limit(radius, box)
+    # Unresolved profiles need a wider search: twice the radius is the suggestion.
+    need_radius = jnp.where(unresolved > 0, 2 * reach.rows, reach.rows).astype(int32)
+    images = plan.status({"so z images": need_images}, {"so z images": IMAGES})
+    pairs = Limit(SO_PAIRS, config.pair_rows(plan.n0), plan.n0)
+    own = Status(pmax_all(plan.pencils, {"so pairs": need_pairs, "so radius": need_radius}),
+                 jnp.int32(0), (("so pairs", pairs), ("so radius", reach)))
+    return images.merge(own)
+
+
+def so_step(plan: Plan, centres, centre_valid, density, config: SOConfig, radius: float) -> Step:
+    """The SO primitive as a pipeline step (replicated outputs)."""
+
+    def run(decomposition):
+        mass, so_radius, status = so_on_decomposition(plan, decomposition, centres,
+                                                      centre_valid, density, config, radius)
+        return {"mass": mass, "radius": so_radius, "status": status}
+
+    return Step(run, "replicated")
+
+
+# ----------------------------------------------------------------------------------------
+# Public API
+
+
+@program_cache(32)
+def _so_program(problem: Problem, in_specs, config: SOConfig, radius: float):
+    layout = problem.layout
+    plan = plan_for(problem, config.domain, search_width(radius, problem.box_size))
+
+    def device(*blocks):
+        *blocks, centres, density = blocks
+        fields, shape = local_fields(problem, *blocks)
+        fields["mass"] = row_masses(problem, fields)
+        valid = local_valid(problem, fields["pos"].shape[0])
+        step = so_step(plan, centres, jnp.ones(centres.shape[0], bool), density, config, radius)
+        return on_device(plan, fields, valid, shape, {"so": step})
+
+    specs = tuple(in_specs) + (P(), P())
+    return jax.jit(lambda *args: run_sharded(layout, device, args, specs)["so"])
+
+
+def _densities(density):
+    """Thresholds as a (D,) float array and whether a scalar was given."""
+    d = jnp.asarray(density)
+    if d.ndim > 1 or d.size == 0:
+        raise ValueError(f"density must be a scalar or a non-empty (D,) array, got shape {d.shape}")
+    if not jnp.issubdtype(d.dtype, jnp.floating):
+        d = d.astype(jnp.float32)
+    if not is_traced(d) and not bool(jnp.all(jnp.isfinite(d) & (d > 0))):
+        raise ValueError(f"density thresholds must be positive and finite, got {density!r}")
+    return d.reshape(-1), d.ndim == 0
+
+
+def _centres(centres, dtype):
+    c = jnp.asarray(centres)
+    if c.ndim != 2 or c.shape[-1] != 3 or c.shape[0] == 0:
+        raise ValueError(f"centres must have shape (H, 3) with H >= 1, got {c.shape}")
+    if not is_traced(c) and not bool(jnp.all(jnp.isfinite(c))):
+        raise InvalidInputError("jaxpm_halos: SO centres must be finite")
+    return c.astype(dtype)
+
+
+def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, mesh=None,
+                          config: SOConfig | None = None, with_status: bool = False,
+                          grow: bool = True):
+    """Spherical-overdensity radii and masses about given centres, periodic and exact.
+
+    For each centre, the particles (all of them, not only a group's members) are sorted by
+    minimum-image distance ``r``; with ``M_i`` the mass of the ``i`` nearest, ``i*`` is
+    the first ``i`` with ``M_i / (4/3 pi r_i^3) < density`` (the first downcrossing), and
+    ``M = M_{i*-1}``, ``R = (3 M / (4 pi density))^(1/3)``, which lies in
+    ``[r_{i*-1}, r_{i*})``. ``M = R = 0`` when the nearest particle is already below.
+
+    Args:
+      pos: every input form :func:`~jaxpm_halos.fof` accepts (``(N, 3)`` positions,
+        sharded or not, a JaxPM grid, or :class:`~jaxpm_halos.Particles`).
+      centres: ``(H, 3)`` centres in the unit of ``pos`` (any H; wrapped into the box).
+      box_size: periodic box side (taken from Particles).
+      density: threshold mean density, a scalar or a ``(D,)`` array, in the unit of
+        ``mass`` per unit of ``pos`` cubed (e.g. :func:`jaxpm_halos.units.so_density`, in
+        (Msun/h) / (Mpc/h)^3, with masses in Msun/h and positions in Mpc/h).
+      mass: particle masses, scalar or per particle (default 1; taken from Particles).
+      mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
+      config: :class:`~jaxpm_halos.SOConfig`; its ``radius`` bounds the radii that can be
+        measured.
+      with_status: also return the :class:`~jaxpm_halos.Status`.
+      grow: outside ``jit``, a profile that has not fallen below the threshold within
+        ``config.radius`` (or a buffer that overflowed) makes the call run again with a
+        larger value; ``False`` raises :class:`~jaxpm_halos.CapacityError` naming one.
+
+    Returns:
+      ``(radius, mass)``, each ``(H,)`` for a scalar ``density`` or ``(H, D)``,
+      replicated. Inside ``jit`` an unresolved profile is NaN and reported by the status.
+      Not differentiable: membership of a sphere is a discrete choice (gradients are
+      zero).
+    """
+    problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
+    config = SOConfig() if config is None else config
+    density, scalar = _densities(density)
+    centres = _centres(centres, args[0].dtype)
+    args = args + (centres, density.astype(args[0].dtype))
+
+    def run(cfg):
+        radius = resolve_radius(cfg, problem.mean_separation, problem.pencils)
+        return _so_program(problem, in_specs, cfg, radius)(*args)
+
+    if is_traced(args):
+        out = run(config)
+    else:
+        out, _ = run_growing(run, config, lambda o: o["status"].failure(), grow=grow)
+    radius, so_mass = out["radius"], out["mass"]
+    if scalar:
+        radius, so_mass = radius[:, 0], so_mass[:, 0]
+    return ((radius, so_mass, out["status"]) if with_status else (radius, so_mass))

@@ -1,0 +1,240 @@
+"""Spherical-overdensity masses and radii: exact against a float64 brute force on every
+mesh, for centres on box and pencil corners, haloes wider than FoF's ghost layer and
+unequal masses; inside jit; growth and errors; the thresholds of ``units.so_density``."""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxpm_halos as jh
+from conftest import make_mesh, requires
+from jaxpm_halos import units
+
+BOX = 16.0
+N = 4096
+
+
+def so_reference(pos, centres, box, density, mass):
+    """First-downcrossing SO masses (H, D) by brute force in float64."""
+    pos = np.mod(np.asarray(pos, np.float64), box)
+    mass = np.broadcast_to(np.asarray(mass, np.float64), pos.shape[:1])
+    density = np.atleast_1d(np.asarray(density, np.float64))
+    out = np.zeros((len(centres), len(density)))
+    for h, c in enumerate(np.asarray(centres, np.float64)):
+        d = pos - np.mod(c, box)
+        d -= box * np.round(d / box)
+        r = np.sqrt(np.sum(d * d, 1))
+        order = np.argsort(r, kind="stable")
+        within = np.cumsum(mass[order])
+        volume = 4 / 3 * np.pi * r[order] ** 3
+        for k, rho in enumerate(density):
+            below = within < rho * volume
+            first = int(np.argmax(below))
+            assert below[first]
+            out[h, k] = within[first - 1] if first > 0 else 0.0
+    return out
+
+
+def _layout(seed=0):
+    """Clumps of 20-600 particles on the box corner, on pencil faces and edges of every
+    test mesh and at z = 0 and L, a dense core, duplicates, over a uniform background."""
+    rng = np.random.default_rng(seed)
+    centres = np.array([[0.0, 0.0, 0.0], [BOX / 2, BOX / 2, BOX / 2], [BOX / 4, BOX / 8, 0.0],
+                        [BOX / 2, 3 * BOX / 4, BOX - 0.05], [3 * BOX / 4, BOX / 2, BOX / 3],
+                        [BOX / 8, BOX / 4, 2 * BOX / 3], [BOX, BOX / 2, BOX / 5],
+                        [BOX / 4, 3 * BOX / 4, BOX / 4]])
+    sizes = [600, 300, 150, 80, 40, 20, 200, 300]
+    widths = [0.2, 0.15, 0.2, 0.1, 0.15, 0.1, 0.12, 0.02]
+    parts = [c + rng.normal(0, w, (s, 3)) for c, s, w in zip(centres, sizes, widths)]
+    dup = np.repeat(rng.uniform(0, BOX, (1, 3)), 10, axis=0)
+    n_bg = N - sum(sizes) - len(dup)
+    pos = np.concatenate(parts + [dup, rng.uniform(0, BOX, (n_bg, 3))])
+    pos = np.mod(pos, BOX).astype(np.float32)
+    queries = np.concatenate([centres, dup[:1], rng.uniform(0, BOX, (4, 3)),
+                              [[BOX / 2, BOX / 4, 1.0], [BOX - 1e-4, BOX - 1e-4, BOX - 1e-4]]])
+    return pos, queries.astype(np.float32)
+
+
+POS, CENTRES = _layout()
+RHO_MEAN = N / BOX ** 3
+DENSITIES = np.array([200.0, 500.0, 1500.0]) * RHO_MEAN
+
+
+def _check(radius, mass, ref, density, particle_mass=1.0):
+    mass, radius = np.asarray(mass, np.float64), np.asarray(radius, np.float64)
+    assert mass.shape == ref.shape
+    # Within one particle (float32 distances may order a knife-edge pair differently).
+    assert np.all(np.abs(mass - ref) <= particle_mass * (1 + 1e-6)), np.c_[mass, ref]
+    exact = mass == ref
+    expected = np.cbrt(3 * ref / (4 * np.pi * np.asarray(density)))
+    np.testing.assert_allclose(radius[exact], expected[exact], rtol=1e-4)
+
+
+def test_brute_force_reference_is_a_downcrossing():
+    """The reference itself on a hand-made profile: 2 particles at r = 1, threshold such
+    that 2 / (4/3 pi) is above it and 3 / (4/3 pi 2^3) below."""
+    pos = np.array([[5.0, 5, 5], [6, 5, 5], [4, 5, 5], [5, 7, 5]])
+    rho = 0.2
+    assert 2 / (4 / 3 * np.pi) > rho > 3 / (4 / 3 * np.pi * 8)
+    # mass of the 1 nearest at r=0 (inf density), then 3 within r = 1 (0.72 > 0.2),
+    # then 4 at r = 2 (0.12 < 0.2): M = 3.
+    assert so_reference(pos, [[5.0, 5, 5]], 20.0, rho, 1.0)[0, 0] == 3.0
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return so_reference(POS, CENTRES, BOX, DENSITIES, 1.0)
+
+
+def test_exact_on_every_mesh(mesh, reference):
+    x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(mesh.axis_names)))
+    radius, mass, status = jh.spherical_overdensity(x, CENTRES, box_size=BOX,
+                                                    density=DENSITIES, with_status=True)
+    assert bool(status.ok)
+    _check(radius, mass, reference, DENSITIES)
+    # The clumps are resolved: non-trivial masses well beyond FoF's ghost layer.
+    assert np.asarray(mass)[0, 0] > 400 and np.asarray(radius)[0, 0] > 0.5
+
+
+def test_scalar_threshold_unsharded_any_n_and_masses():
+    rng = np.random.default_rng(3)
+    pos, masses = POS[:4001], rng.uniform(0.5, 2.0, 4001).astype(np.float32)
+    density = 300 * float(masses.sum()) / BOX ** 3
+    radius, mass = jh.spherical_overdensity(pos, CENTRES, box_size=BOX, density=density,
+                                            mass=masses, mesh=make_mesh((2, 4)))
+    assert radius.shape == mass.shape == (len(CENTRES),)
+    ref = so_reference(pos, CENTRES, BOX, density, masses)[:, 0]
+    assert np.all(np.abs(np.asarray(mass) - ref) <= 2.0 + 1e-4)
+    assert np.sum(np.asarray(mass) == 0) < len(CENTRES) and np.max(ref) > 100
+
+
+def test_inside_jit_equals_outside(reference):
+    mesh = make_mesh((2, 4))
+    x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(("x", "y"))))
+    f = jax.jit(lambda p, c: jh.spherical_overdensity(p, c, box_size=BOX, density=DENSITIES,
+                                                      with_status=True))
+    radius, mass, status = f(x, jnp.asarray(CENTRES))
+    assert bool(status.ok)
+    _check(radius, mass, reference, DENSITIES)
+
+
+def test_small_radius_grows_or_raises():
+    mesh = make_mesh((2, 4))
+    x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(("x", "y"))))
+    tight = jh.SOConfig(radius=0.5, levels=2, domain=jh.DomainConfig(ghost_factor=1.0, image_factor=1.0))
+    ref = so_reference(POS, CENTRES[:2], BOX, DENSITIES[0], 1.0)[:, 0]
+    with pytest.raises(jh.CapacityError, match="so radius") as info:
+        jh.spherical_overdensity(x, CENTRES[:2], box_size=BOX, density=DENSITIES[0],
+                                 config=tight, grow=False)
+    assert str(info.value.failure.limit.knob) == "SOConfig.radius"
+    suggested = info.value.failure.grown(tight)
+    assert suggested.radius > 0.5
+    with pytest.warns(jh.GrowthWarning, match="SOConfig"):
+        radius, mass = jh.spherical_overdensity(x, CENTRES[:2], box_size=BOX,
+                                                density=DENSITIES[0], config=tight)
+    assert np.all(np.abs(np.asarray(mass) - ref) <= 1)
+    # Inside jit nothing grows: NaN and a failed status.
+    f = jax.jit(lambda p: jh.spherical_overdensity(p, CENTRES[:2], box_size=BOX,
+                                                   density=DENSITIES[0], config=tight,
+                                                   with_status=True))
+    _, mass, status = f(x)
+    assert not bool(status.ok) and np.isnan(np.asarray(mass)[0])
+    assert status.failure().buffer == "so radius"
+
+
+def test_pair_buffer_batches_and_overflow():
+    """A buffer smaller than all centres' candidates handles them in batches (same
+    result); one smaller than one centre's candidates is reported."""
+    mesh = make_mesh((2, 4))
+    x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(("x", "y"))))
+    ref = so_reference(POS, CENTRES, BOX, DENSITIES[0], 1.0)[:, 0]
+    small = jh.SOConfig(pair_factor=3.5)
+    radius, mass, status = jh.spherical_overdensity(x, CENTRES, box_size=BOX,
+                                                    density=DENSITIES[0], config=small,
+                                                    with_status=True, grow=False)
+    assert bool(status.ok)
+    assert np.all(np.abs(np.asarray(mass) - ref) <= 1)
+    with pytest.raises(jh.CapacityError, match="so pairs"):
+        jh.spherical_overdensity(x, CENTRES, box_size=BOX, density=DENSITIES[0],
+                                 config=jh.SOConfig(pair_factor=0.0), grow=False)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="centres"):
+        jh.spherical_overdensity(POS, CENTRES[:, :2], box_size=BOX, density=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        jh.spherical_overdensity(POS, CENTRES, box_size=BOX, density=-1.0)
+    with pytest.raises(ValueError, match="third of the box"):
+        jh.spherical_overdensity(POS, CENTRES, box_size=BOX, density=1.0,
+                                 config=jh.SOConfig(radius=BOX / 2), mesh=None)
+    with pytest.raises(ValueError, match="pencil"):
+        jh.spherical_overdensity(POS, CENTRES, box_size=BOX, density=1.0,
+                                 config=jh.SOConfig(radius=3.0), mesh=make_mesh((1, 8)))
+    with pytest.raises(jh.InvalidInputError):
+        jh.spherical_overdensity(POS, np.full((1, 3), np.nan), box_size=BOX, density=1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Thresholds
+
+
+G_SI = 6.67430e-11
+MSUN_KG = 1.32712440041e20 / G_SI
+MPC_M = 3.0856775814913673e22
+
+
+def _rho_crit_physical(omega_m, a):
+    """3 H(a)^2 / (8 pi G) in h^2 Msun / Mpc^3, from Newton's constant (h = 1)."""
+    h = 100e3 / MPC_M * math.sqrt(omega_m / a ** 3 + 1 - omega_m)
+    return 3 * h * h / (8 * math.pi * G_SI) * MPC_M ** 3 / MSUN_KG
+
+
+@pytest.mark.parametrize("omega_m,a", [(0.3, 1.0), (0.3089, 0.5), (0.25, 0.25)])
+def test_so_density_from_newton(omega_m, a):
+    crit = _rho_crit_physical(omega_m, a) * a ** 3  # comoving
+    mean = omega_m * _rho_crit_physical(omega_m, 1.0)
+    assert units.so_density("200c", omega_m=omega_m, a=a) == pytest.approx(200 * crit, rel=3e-4)
+    assert units.so_density("500c", omega_m=omega_m, a=a) == pytest.approx(500 * crit, rel=3e-4)
+    assert units.so_density("200m", omega_m=omega_m, a=a) == pytest.approx(200 * mean, rel=3e-4)
+    x = omega_m / a ** 3 / (omega_m / a ** 3 + 1 - omega_m) - 1
+    delta = 18 * math.pi ** 2 + 82 * x - 39 * x * x
+    assert units.so_density("vir", omega_m=omega_m, a=a) == pytest.approx(delta * crit, rel=3e-4)
+
+
+def test_so_density_limits():
+    # Bryan & Norman: Delta_c ~ 101 for Omega_m = 0.3 today (~337 times the mean), and
+    # 18 pi^2 in an Einstein-de Sitter universe at any a.
+    vir = units.so_density("vir", omega_m=0.3)
+    assert vir / units.RHO_CRIT == pytest.approx(101.1, abs=0.1)
+    assert vir / (0.3 * units.RHO_CRIT) == pytest.approx(337.1, abs=0.3)
+    for a in (0.2, 1.0):
+        assert units.so_density("vir", omega_m=1.0, a=a) == pytest.approx(
+            18 * math.pi ** 2 * units.RHO_CRIT)
+    # Early on, 200c tends to 200m (Omega_m(a) -> 1).
+    assert units.so_density("200c", omega_m=0.3, a=0.01) == pytest.approx(
+        units.so_density("200m", omega_m=0.3), rel=1e-5)
+    traced = jax.jit(lambda a: units.so_density("vir", omega_m=0.3, a=a))(0.5)
+    assert float(traced) == pytest.approx(units.so_density("vir", omega_m=0.3, a=0.5), rel=1e-6)
+    for bad in ("200", "abc", "-5c", 200):
+        with pytest.raises(ValueError):
+            units.so_density(bad, omega_m=0.3)
+
+
+@requires("jax_cosmo")
+def test_so_density_against_jax_cosmo():
+    import jax_cosmo as jc
+
+    cosmo = jc.Planck15(Omega_c=0.25, Omega_b=0.05)
+    for a in (0.4, 1.0):
+        e2 = float(jc.background.Esqr(cosmo, a))
+        omega_a = float(jc.background.Omega_m_a(cosmo, a))
+        x = omega_a - 1
+        expected = (18 * math.pi ** 2 + 82 * x - 39 * x * x) * units.RHO_CRIT * e2 * a ** 3
+        assert units.so_density("vir", omega_m=0.3, a=a) == pytest.approx(expected, rel=1e-4)
+        assert units.so_density("200c", omega_m=0.3, a=a) == pytest.approx(
+            200 * units.RHO_CRIT * e2 * a ** 3, rel=1e-4)
