@@ -3,13 +3,14 @@
 Run it with::
 
     python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20] [--snapshots 0.5,1.0]
-        [--mesh 2,4] [--b 0.2] [--min-members 20] [--k 16] [--out halos_out]
+        [--mesh 2,4] [--pm-factor 1] [--b 0.2] [--min-members 20] [--k 16] [--out halos_out]
 
 On a machine with only a CPU, the run is spread over 8 XLA host devices (a ``(2, 4)``
 mesh) unless ``XLA_FLAGS`` already chooses a device count; otherwise it uses all local
 devices. The simulation follows JaxPM's distributed recipe: a linear field, 2LPT to
 ``a = 0.1``, then ``--steps`` PM steps with diffrax's ``LeapfrogMidpoint`` (with diffrax's
-text progress meter) to the last snapshot. At each snapshot, inside the jitted solve
+text progress meter) to the last snapshot, on a PM grid of ``--pm-factor`` cells per
+particle spacing (:func:`refined_pm_ode` when above 1). At each snapshot, inside the jitted solve
 (``diffrax.SaveAt(ts=snapshots, fn=...)``), :class:`jaxpm_halos.extension.InSitu` runs FoF
 (``--b``, ``--min-members``) and the kNN density (``--k``) on the sharded state.
 
@@ -18,7 +19,10 @@ median kNN density, and the time of the analyses against one PM step: the compil
 is run again with the analyses switched off by a traced flag (``lax.cond``), and once per
 snapshot with them on at that snapshot only (``--timing``). It writes one HDF5 catalogue
 per snapshot (``halos_a1.0000.h5``, see :mod:`jaxpm_halos.io`), ``mass_function.png``
-(against the Watson et al. 2013 FoF fit) and ``density_slice.png`` to ``--out``.
+(FoF masses against the Watson et al. 2013 FoF fit and, with ``--m200m``, beside them
+the spherical-overdensity M200m about the FoF centres of mass against Tinker et al. 2008) and
+``density_slice.png`` to ``--out``, and prints the counts above 100 particles against
+the fits.
 
 :func:`run_simulation` is the reusable part: in-situ analyses plug in as ``saveat_fn``,
 which diffrax evaluates inside the jitted solve at each requested scale factor.
@@ -40,6 +44,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 HOST_DEVICES = 8
+PM_FACTOR = 1  # the demo's default --pm-factor
 
 
 def use_host_devices(n: int = HOST_DEVICES) -> None:
@@ -542,6 +547,14 @@ def main(argv=None) -> int:
                              "(default 0.5,1.0)")
     parser.add_argument("--mesh", default=None,
                         help="device mesh 'px,py' (default: all devices, e.g. 2,4 for 8 CPU devices)")
+    parser.add_argument("--pm-factor", type=int, default=PM_FACTOR,
+                        help="PM grid cells per particle spacing along each axis: the PM grid "
+                             "has (pm-factor * nc)^3 cells (default %(default)s; 1 is JaxPM's "
+                             "own displacement mode, >1 the demo's refined_pm_ode)")
+    parser.add_argument("--m200m", action="store_true",
+                        help="after the run, measure M200m about the FoF centres of mass "
+                             "(jaxpm_halos.spherical_overdensity on the final state; ~30 s to "
+                             "compile on a CPU) and plot it against Tinker et al. 2008")
     parser.add_argument("--b", type=float, default=0.2,
                         help="FoF linking length in mean particle separations (default 0.2)")
     parser.add_argument("--min-members", type=int, default=20,
@@ -563,6 +576,9 @@ def main(argv=None) -> int:
         parser.error(f"--snapshots must be comma-separated scale factors, got {args.snapshots!r}")
     if not snapshots or snapshots[0] <= 0.1 or snapshots[-1] > 1.0:
         parser.error(f"--snapshots must lie in (0.1, 1], got {args.snapshots}")
+    if args.pm_factor < 1:
+        parser.error(f"--pm-factor must be a positive integer, got {args.pm_factor}")
+    pm_nc = args.pm_factor * args.nc
 
     t_start = time.perf_counter()
     use_host_devices()
@@ -591,20 +607,23 @@ def main(argv=None) -> int:
     omega_m = cosmology["Omega_c"] + cosmology["Omega_b"]
     mass = units.particle_mass(omega_m, args.box, args.nc)
     insitu = InSitu(box_size=args.box, analyses=analyses, b=args.b, min_members=args.min_members,
-                    k=args.k, omega_m=omega_m, overdensity=True)
+                    k=args.k, omega_m=omega_m, overdensity=True,
+                    paint_absolute_pos=pm_nc != args.nc, pm_nc=pm_nc)
     lead = jax.process_index() == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if lead else (lambda *a, **k: None)
     say(f"jaxpm_halos demo: {args.nc}^3 particles ({mass:.3g} Msun/h each), box {args.box:g} "
         f"Mpc/h, {args.steps} PM steps to a = {snapshots[-1]:g}, in-situ {list(analyses)} at "
-        f"a = {snapshots} (b = {args.b:g}, >= {args.min_members} members, k = {args.k}), mesh "
-        f"{dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
+        f"a = {snapshots} (b = {args.b:g}, >= {args.min_members} members, k = {args.k}), PM grid "
+        f"{pm_nc}^3 ({args.box / pm_nc:g} Mpc/h cells"
+        + (", JaxPM displacement mode" if pm_nc == args.nc else ", absolute positions") +
+        f"), mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
 
     n_snap = len(snapshots)
     say("compiling the solve with the analyses inside (diffrax SaveAt fn) ...")
     result = run_simulation(args.nc, args.box, args.steps, snapshots, mesh=mesh,
                             saveat_fn=switchable_saveat_fn(insitu, snapshots), seed=args.seed,
                             a_final=snapshots[-1], progress=True,
-                            saveat_inputs=jnp.ones(n_snap, bool))
+                            saveat_inputs=jnp.ones(n_snap, bool), pm_nc=pm_nc)
     say(f"compiled in {result.compile_s:.1f} s; solve with in-situ analyses: {result.run_s:.2f} s")
     saved = result.saved
     check(saved)  # raises, naming the knob, if any buffer overflowed at any snapshot
@@ -641,7 +660,7 @@ def main(argv=None) -> int:
                             linking_length=insitu.b * args.box / args.nc, b=insitu.b,
                             min_members=insitu.min_members,
                             attrs=dict(particle_mass=mass, steps=args.steps, seed=args.seed,
-                                       mesh=np.asarray(shape)))
+                                       mesh=np.asarray(shape), pm_nc=pm_nc))
             row["halos"] = len(cat["id"])
             row["largest"] = np.sort(cat["mass"])[::-1][:3].tolist()
         if "knn_density" in saved:
@@ -652,18 +671,34 @@ def main(argv=None) -> int:
     if lead:
         _print_table(rows, t_off, args.steps, result.run_s, args.timing, args.k)
     plots = []
+    particles = from_jaxpm(result.state, box_size=args.box, mass=mass,
+                           paint_absolute_pos=result.paint_absolute_pos, pm_nc=result.pm_nc)
+    so_mass = None
+    if args.m200m and catalogues[-1] is not None and len(catalogues[-1]["id"]):
+        so_mass = _m200m(particles, catalogues[-1]["pos"], omega_m, snapshots[-1], say)
     if lead and catalogues[-1] is not None:
-        from .plots import plot_density_slice, plot_mass_function
+        from .plots import plot_density_slice, plot_mass_function, ratio_above
 
         final = catalogues[-1]
         a = snapshots[-1]
         mf = os.path.join(args.out, "mass_function.png")
         plot_mass_function(mf, final["mass"], box_size=args.box, cosmology=cosmology, a=a,
-                           particle_mass=mass, min_members=args.min_members,
-                           title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, {args.steps} "
-                                 f"steps, a = {a:g}: in-situ FoF b = {args.b:g}")
+                           particle_mass=mass, min_members=args.min_members, so_mass=so_mass,
+                           title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, PM grid "
+                                 f"{pm_nc}$^3$, {args.steps} steps, a = {a:g}: in-situ FoF "
+                                 f"b = {args.b:g}")
         plots.append(mf)
-    pos = _host(from_jaxpm(result.state, box_size=args.box).pos)
+        print(f"\nhaloes above 100 particles ({100 * mass:.3g} Msun/h) at a = {a:g}, against "
+              "the fits (counts / expected, Poisson errors):")
+        for label, masses, fit in (("FoF  / Watson 2013", final["mass"], "watson13"),
+                                   ("M200m / Tinker 2008", so_mass, "tinker08")):
+            if masses is None:
+                continue
+            r = ratio_above(masses, box_size=args.box, cosmology=cosmology, a=a, fit=fit,
+                            min_mass=100 * mass)
+            print(f"  {label}: {r['count']} / {r['expected']:.1f} = {r['ratio']:.2f} "
+                  f"+- {r['error']:.2f}")
+    pos = _host(particles.pos)
     if lead and catalogues[-1] is not None:
         sl = os.path.join(args.out, "density_slice.png")
         plot_density_slice(sl, pos, box_size=args.box, halo_pos=final["pos"],
@@ -676,6 +711,26 @@ def main(argv=None) -> int:
         print(f"wrote {', '.join(os.path.join(args.out, f) for f in files + [os.path.basename(p) for p in plots])}")
         print(f"total wall time {time.perf_counter() - t_start:.1f} s")
     return 0
+
+
+def _m200m(particles, centres, omega_m, a, say):
+    """M200m (Msun/h) about ``centres`` (the FoF centres of mass, Mpc/h) from the
+    final state, with :func:`jaxpm_halos.spherical_overdensity` (exact, over all particles,
+    distributed like the state). NaN where a profile does not fall below 200 times the mean
+    density (None if that function is absent)."""
+    import numpy as np
+
+    try:
+        from . import spherical_overdensity, units
+    except ImportError:
+        return None
+    density = units.so_density("200m", omega_m=omega_m, a=a)
+    t = time.perf_counter()
+    _, m200 = spherical_overdensity(particles, np.asarray(centres), density=density)
+    m200 = _host(m200).astype(np.float64)
+    say(f"M200m about the {len(m200)} FoF centres of mass at a = {a:g}: "
+        f"{time.perf_counter() - t:.1f} s (after the run, on the final state)")
+    return m200
 
 
 def _print_table(rows, t_off, steps, t_on, timing, k):
