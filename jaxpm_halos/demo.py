@@ -688,16 +688,18 @@ def main(argv=None) -> int:
                                  f"{pm_nc}$^3$, {args.steps} steps, a = {a:g}: in-situ FoF "
                                  f"b = {args.b:g}")
         plots.append(mf)
-        print(f"\nhaloes above 100 particles ({100 * mass:.3g} Msun/h) at a = {a:g}, against "
-              "the fits (counts / expected, Poisson errors):")
-        for label, masses, fit in (("FoF  / Watson 2013", final["mass"], "watson13"),
+        print(f"\nhaloes at a = {a:g} against the fits (counts / expected, Poisson errors; "
+              f"100 particles = {100 * mass:.3g} Msun/h):")
+        for label, masses, fit in (("FoF   / Watson 2013", final["mass"], "watson13"),
                                    ("M200m / Tinker 2008", so_mass, "tinker08")):
             if masses is None:
                 continue
-            r = ratio_above(masses, box_size=args.box, cosmology=cosmology, a=a, fit=fit,
-                            min_mass=100 * mass)
-            print(f"  {label}: {r['count']} / {r['expected']:.1f} = {r['ratio']:.2f} "
-                  f"+- {r['error']:.2f}")
+            for lo, hi in ((args.min_members, 100), (100, None)):
+                r = ratio_above(masses, box_size=args.box, cosmology=cosmology, a=a, fit=fit,
+                                min_mass=lo * mass, max_mass=None if hi is None else hi * mass)
+                span = f"{lo}-{hi} particles" if hi else f">= {lo} particles"
+                print(f"  {label}, {span:>16}: {r['count']:4d} / {r['expected']:6.1f} = "
+                      f"{r['ratio']:.2f} +- {r['error']:.2f}")
     pos = _host(particles.pos)
     if lead and catalogues[-1] is not None:
         sl = os.path.join(args.out, "density_slice.png")

@@ -219,17 +219,18 @@ def _mass_panel(ax, rat, meas, curve_m, curves, labels, reference, point_label, 
 
 
 def ratio_above(mass, *, box_size: float, cosmology, a: float = 1.0, fit: str = "watson13",
-                min_mass: float) -> dict:
-    """The number of haloes with ``mass >= min_mass`` (Msun/h) against ``fit``.
+                min_mass: float, max_mass: float | None = None) -> dict:
+    """The number of haloes with ``min_mass <= mass < max_mass`` (Msun/h) against ``fit``.
 
     Returns ``{"count", "expected", "ratio", "error"}`` with ``expected = V \\int dn/dlog10M
-    dlog10M`` from ``log10 min_mass`` to ``log10 min_mass + 3`` (trapezoid, 600 points;
-    haloes 1000 times heavier are absent from such boxes), ``V = box_size^3``, and the
-    Poisson error of the ratio ``sqrt(count) / expected``.
+    dlog10M`` over that range (trapezoid, 600 points; without ``max_mass`` up to
+    ``1000 min_mass``: haloes that much heavier are absent from such boxes),
+    ``V = box_size^3``, and the Poisson error of the ratio ``sqrt(count) / expected``.
     """
     mass = np.asarray(mass, np.float64)
-    count = int(np.count_nonzero(mass >= min_mass))
-    lgm = np.linspace(math.log10(min_mass), math.log10(min_mass) + 3, 600)
+    top = 1000 * min_mass if max_mass is None else max_mass
+    count = int(np.count_nonzero((mass >= min_mass) & (mass < top)))
+    lgm = np.linspace(math.log10(min_mass), math.log10(top), 600)
     dn = mass_function_fit(10 ** lgm, cosmology, a, fit)
     expected = float(np.trapezoid(dn, lgm)) * float(box_size) ** 3
     return {"count": count, "expected": expected, "ratio": count / expected,

@@ -114,3 +114,10 @@ def test_ratio_above():
     assert r["expected"] == pytest.approx(expected, rel=0.01)
     assert r["ratio"] == pytest.approx(3 / r["expected"])
     assert r["error"] == pytest.approx(math.sqrt(3) / r["expected"])
+    # a closed range: [5e13, 2e14) holds 5e13, 1e14 (2e14 excluded)
+    r = plots.ratio_above(mass, box_size=100.0, cosmology=COSMOLOGY, fit="watson13",
+                          min_mass=5e13, max_mass=2e14)
+    lg = np.log10(5e13) + (np.log10(2e14) - np.log10(5e13)) / 20 * (np.arange(20) + 0.5)
+    width = (np.log10(2e14) - np.log10(5e13)) / 20
+    expected = np.sum(plots.mass_function_fit(10 ** lg, COSMOLOGY, 1.0, "watson13")) * width * 1e6
+    assert r["count"] == 2 and r["expected"] == pytest.approx(expected, rel=1e-3)
