@@ -3,7 +3,7 @@
 Run it with::
 
     python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20] [--snapshots 0.5,1.0]
-        [--mesh 2,4] [--pm-factor 1] [--b 0.2] [--min-members 20] [--k 16] [--out halos_out]
+        [--mesh 2,4] [--pm-factor 2] [--b 0.2] [--min-members 20] [--k 16] [--out halos_out]
 
 On a machine with only a CPU, the run is spread over 8 XLA host devices (a ``(2, 4)``
 mesh) unless ``XLA_FLAGS`` already chooses a device count; otherwise it uses all local
@@ -44,7 +44,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 HOST_DEVICES = 8
-PM_FACTOR = 1  # the demo's default --pm-factor
+PM_FACTOR = 2  # the demo's default --pm-factor (README: Demo)
 
 
 def use_host_devices(n: int = HOST_DEVICES) -> None:
