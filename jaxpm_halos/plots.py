@@ -284,14 +284,15 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
                          (title or f"halo mass function, a = {a:.3g} (z = {1 / a - 1:.2f})"),
                          fontsize=10)
     if so_mass is not None:
-        so = np.asarray(so_mass, np.float64).reshape(-1)
-        so = so[np.isfinite(so) & (so > 0)]
+        so_all = np.asarray(so_mass, np.float64).reshape(-1)
+        so = so_all[np.isfinite(so_all) & (so_all > 0)]
         meas_so, curve_so, curves_so = _binned(so, box_size, lo, dex, cosmology, a,
                                                ("tinker08", "sheth_tormen"))
         _mass_panel(axes[0, 1], axes[1, 1], meas_so, curve_so, curves_so,
                     [("Tinker et al. 2008, $\\Delta$ = 200m", "k-"),
                      ("Sheth & Tormen 1999", "k--")], "tinker08",
-                    so_label or f"M200m of the FoF haloes ({so.size})", "C0", particle_mass,
+                    so_label or f"M200m of the FoF haloes ({so.size} of {so_all.size} > 0)",
+                    "C0", particle_mass,
                     box_size, dex)
         axes[1, 1].set_ylabel("sim / Tinker")
         axes[0, 1].set_title("spherical overdensity $M_{200m}$", fontsize=10)
