@@ -14,6 +14,9 @@ size) it times, after a warm-up, the minimum of several runs of:
 * the first call (compile) of each jaxpm_halos program;
 * one JaxPM PM step (a force evaluation) at the same size, and the in-situ cost of FoF plus
   kNN density (k = 16) in one shared decomposition, as a ratio to it;
+* spherical-overdensity masses (200 times the mean density, about every FoF halo's
+  centre of mass) against cKDTree.query_ball_point plus a sort per centre, at 64^3 and
+  128^3, and the in-situ cost of adding SO (200c, 200m, vir about the density peak);
 * the peak memory of each jaxpm_halos function, in a child process (max RSS above the
   process's RSS before the call), per particle.
 
@@ -176,6 +179,49 @@ def pm_and_insitu(nc, rows):
     rows.append(dict(size=nc, kind="jaxpm", what="in-situ fof+knn_density k=16",
                      where="8 dev (2,4)", n=nc ** 3, first=first, warm=warm, ref="PM step",
                      ref_time=t_pm))
+    print(rows[-1], flush=True)
+    so = jh.InSitu(box_size=float(nc), analyses=("fof", "knn_density"), k=16, omega_m=0.3,
+                   so=("200c", "200m", "vir"), centre="peak")
+    first, warm, _ = timed(lambda: so(y, 1.0))
+    rows.append(dict(size=nc, kind="jaxpm", what="in-situ fof+knn_density+so (peak)",
+                     where="8 dev (2,4)", n=nc ** 3, first=first, warm=warm, ref="PM step",
+                     ref_time=t_pm))
+    print(rows[-1], flush=True)
+
+
+def scipy_so(pos, box, centres, density, radius):
+    """First-downcrossing SO masses (unit particle masses) with cKDTree.query_ball_point
+    and a sort per centre: the serial reference."""
+    tree = cKDTree(pos, boxsize=box)
+    masses = np.zeros(len(centres))
+    for h, (centre, near) in enumerate(zip(centres, tree.query_ball_point(centres, radius,
+                                                                          workers=-1))):
+        d = pos[near] - centre
+        d -= box * np.round(d / box)
+        r = np.sort(np.sqrt(np.sum(d * d, 1)))
+        below = np.arange(1, len(r) + 1) < density * 4 / 3 * np.pi * r ** 3
+        first = int(np.argmax(below)) if below.any() else len(r)
+        masses[h] = first
+    return masses
+
+
+def bench_so(nc, rows):
+    """SO masses (200 times the mean density) about every FoF halo's centre of mass, on
+    (2, 4), against :func:`scipy_so` with the same search radius; and the in-situ cost of
+    adding SO (200c, 200m, vir about the density peak) to FoF + kNN density."""
+    mesh = mesh_of((2, 4))
+    x8, pos, box = data(nc, "jaxpm", mesh)
+    _, cat = jh.fof(x8, b=B, min_members=MIN_MEMBERS)
+    centres = cat.to_numpy()["pos"]
+    radius = 4.0  # the default search radius: 4 mean separations
+    t_ref, ref = min_time(lambda: scipy_so(pos.astype(np.float64), box, centres, 200.0, radius))
+    first, warm, (_, mass) = timed(lambda: jh.spherical_overdensity(
+        x8, centres, density=200.0, config=jh.SOConfig(radius=radius)))
+    if np.max(np.abs(np.asarray(mass) - ref)) > 1:
+        raise AssertionError(f"SO masses differ from the scipy reference at {nc}^3")
+    rows.append(dict(size=nc, kind="jaxpm", what=f"so 200m ({len(centres)} centres)",
+                     where="8 dev (2,4)", n=nc ** 3, first=first, warm=warm, ref="cKDTree+sort",
+                     ref_time=t_ref))
     print(rows[-1], flush=True)
 
 
@@ -421,6 +467,8 @@ def main(argv=None):
             bench_size(nc, kind, rows)
         if nc == 64 or nc == max(args.sizes):
             pm_and_insitu(nc, rows)
+        if nc >= 64:
+            bench_so(nc, rows)
         report(rows, memory, args.out)
     if not args.no_memory:
         for nc in args.sizes:

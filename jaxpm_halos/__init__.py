@@ -7,7 +7,8 @@ from . import units
 from ._adjoint import correct_jaxpm_adjoints
 from ._catalogue import Catalogue
 from ._config import DomainConfig, FoFConfig, KNNConfig, SOConfig
-from ._fof import fof, fof_local
+from ._fof import fof_local
+from ._halos import fof
 from ._frontend import clear_caches
 from ._jaxpm import from_jaxpm
 from ._knn_api import knn, knn_density, knn_local, knn_on_decomposition

@@ -56,6 +56,14 @@ class Catalogue:
         mass-weighted mean and rms of those offsets, not a physical centre and size.
       num: valid rows per device.
       status: buffer needs of the whole computation (see :class:`~jaxpm_halos.Status`).
+      peak: (…, 3) density-peak centre, the position of the member with the highest kNN
+        density (ties to the smallest id), or None (``centre="peak"`` computes it).
+      so: spherical-overdensity masses and radii about the catalogue's SO centre (``peak``
+        with ``centre="peak"``, else ``pos``), e.g. ``{"m200c": …, "r200c": …}``, or
+        None. See :func:`jaxpm_halos.spherical_overdensity` for the definition; masses
+        in the unit of the input masses, radii in the unit of the positions.
+      centre: ``"com"`` or ``"peak"``, the centre the SO quantities are measured about
+        (static).
     """
 
     id: jax.Array
@@ -68,26 +76,37 @@ class Catalogue:
     percolates: jax.Array
     num: jax.Array
     status: Status
+    peak: jax.Array | None = None
+    so: dict | None = None
+    centre: str = dataclasses.field(default="com", metadata=dict(static=True))
+
+    def fields(self) -> dict:
+        """The per-halo arrays by name (SO quantities flattened: ``m200c``, ``r200c``, …),
+        the absent ones left out."""
+        out = {f: getattr(self, f) for f in
+               ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates", "peak")
+               if getattr(self, f) is not None}
+        out.update(self.so or {})
+        return out
 
     def to_numpy(self) -> dict:
         """Host-side: the valid halos of all devices as numpy arrays, sorted by id."""
         num = np.atleast_1d(np.asarray(self.num))
         rows = np.asarray(self.id).shape[0] // num.shape[0]
         keep = (np.arange(num.shape[0] * rows) % rows) < np.repeat(num, rows)
-        fields = {f: np.asarray(getattr(self, f))[keep] for f in
-                  ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates")
-                  if getattr(self, f) is not None}
+        fields = {f: np.asarray(a)[keep] for f, a in self.fields().items()}
         order = np.argsort(fields["id"], kind="stable")
         return {k: v[order] for k, v in fields.items()}
 
 
 def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segments, labels,
-                   has_ghost, min_members: int, halo_rows: int):
+                   has_ghost, min_members: int, halo_rows: int, density=None):
     """Per-device catalogue of the groups whose home is this device.
 
     ``group`` (per row, in ``[0, segments)``) is one index per global label on the device and
     ``has_ghost`` (per group) whether any ghost carries that label, so the group may have
-    members elsewhere.
+    members elsewhere. With a per-row ``density``, each group's density peak (``peak``) is
+    found too.
 
     Returns ``(fields, num, need_rows)``; ``fields`` maps catalogue field names to arrays of
     ``halo_rows`` rows.
@@ -116,6 +135,8 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
         v = jnp.where(owned[:, None], vel, 0)
         sums["v"] = seg_sum(m[:, None] * v)
         sums["w"] = seg_sum(m * jnp.sum(v * v, 1))
+    if density is not None:
+        sums.update(_peaks(owned & ~jnp.isnan(density), density, ids, pos, group, segments))
     report = (members > 0) & (has_ghost | (members >= min_members))
     rows, n_rows = selection(report, halo_rows)
     payload = {k: jnp.take(v, rows, axis=0, mode="fill", fill_value=0) for k, v in sums.items()}
@@ -132,6 +153,26 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     # Once the routed rows fit, the halos (at most one per routed row) fit too.
     need = jnp.maximum(pmax_all(pencils, n_rows), jnp.maximum(need_pair, need_routed))
     return fields, num, need
+
+
+def _highest(value, ids, segment, segments: int):
+    """Per segment, whether each row holds the highest ``value`` of its segment, ties to
+    the smallest id (exactly one row per non-empty segment)."""
+    top = jax.ops.segment_max(value, segment, num_segments=segments)
+    tied = value == top[jnp.minimum(segment, segments - 1)]
+    first = jax.ops.segment_min(jnp.where(tied, ids, _BIG), segment, num_segments=segments)
+    return tied & (ids == first[jnp.minimum(segment, segments - 1)])
+
+
+def _peaks(members, density, ids, pos, group, segments: int):
+    """Each group's densest owned member: its density, id and position (partial rows)."""
+    value = jnp.where(members, density, -jnp.inf)
+    peak = members & _highest(value, ids, jnp.where(members, group, segments), segments)
+    slot = jnp.where(peak, group, segments)
+    put = lambda a, fill: jnp.full((segments,) + a.shape[1:], fill, a.dtype).at[slot].set(
+        a, mode="drop")
+    return {"peak_density": put(value, -jnp.inf), "peak_id": put(ids, _BIG),
+            "peak_pos": put(jax.lax.stop_gradient(pos), 0)}
 
 
 def _combine(rows, n, box, min_members, halo_rows):
@@ -166,6 +207,10 @@ def _combine(rows, n, box, min_members, halo_rows):
         w = total(rows["w"]) / safe
         fields["vel"] = vmean
         fields["vel_disp"] = jnp.sqrt(jnp.maximum(w - jnp.sum(vmean * vmean, 1), 0) / 3)
+    if "peak_pos" in rows:
+        densest = valid & _highest(rows["peak_density"], rows["peak_id"], seg, halo_rows)
+        fields["peak"] = jnp.zeros((halo_rows, 3), rows["peak_pos"].dtype).at[
+            jnp.where(densest, seg, halo_rows)].set(rows["peak_pos"], mode="drop")
     keep = count >= min_members
     picked, num = selection(keep, halo_rows)
     out = {k: jnp.take(v, picked, axis=0, mode="fill", fill_value=0) for k, v in fields.items()}

@@ -82,29 +82,6 @@ class DomainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class FoFConfig:
-    """Friends-of-friends settings.
-
-    Attributes:
-      max_halos: catalogue rows per device, also the rows used to combine groups split
-        across devices. ``None`` picks ``max(1024, n0 // 16)``.
-      chunk_size: candidate pairs tested per pass. Memory is O(chunk_size), and the number
-        of passes is (candidate pairs) / chunk_size. ``None`` picks half a device's rows
-        (owned, ghosts and z images), which is also the least used: links are merged into
-        the union-find forest, at O(rows) per merge, once per ``chunk_size`` links. On
-        GPUs, where every pass has a fixed cost, a larger value can pay.
-      domain: the domain exchange buffers.
-    """
-
-    max_halos: int | None = None
-    chunk_size: int | None = None
-    domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
-
-    def halo_rows(self, n0: int) -> int:
-        return self.max_halos if self.max_halos is not None else max(1024, n0 // 16)
-
-
-@dataclasses.dataclass(frozen=True)
 class KNNConfig:
     """k-nearest-neighbour settings. None of them changes the results, only the cost, except
     that a buffer that is too small is reported (see :class:`~jaxpm_halos.Status`).
@@ -179,6 +156,34 @@ class SOConfig:
     def pair_rows(self, n0: int) -> int:
         return _default_rows(1.0 if self.pair_factor is None else self.pair_factor, n0,
                              self.pair_factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoFConfig:
+    """Friends-of-friends settings.
+
+    Attributes:
+      max_halos: catalogue rows per device, also the rows used to combine groups split
+        across devices. ``None`` picks ``max(1024, n0 // 16)``.
+      chunk_size: candidate pairs tested per pass. Memory is O(chunk_size), and the number
+        of passes is (candidate pairs) / chunk_size. ``None`` picks half a device's rows
+        (owned, ghosts and z images), which is also the least used: links are merged into
+        the union-find forest, at O(rows) per merge, once per ``chunk_size`` links. On
+        GPUs, where every pass has a fixed cost, a larger value can pay.
+      domain: the domain exchange buffers.
+      so: the spherical-overdensity search of ``fof(so=...)`` (its ``domain`` is not
+        used: ``domain`` above sizes the one decomposition).
+      knn: the kNN search of ``fof(centre="peak")`` (its ``domain`` is not used either).
+    """
+
+    max_halos: int | None = None
+    chunk_size: int | None = None
+    domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
+    so: SOConfig = dataclasses.field(default_factory=SOConfig)
+    knn: KNNConfig = dataclasses.field(default_factory=KNNConfig)
+
+    def halo_rows(self, n0: int) -> int:
+        return self.max_halos if self.max_halos is not None else max(1024, n0 // 16)
 
 
 @dataclasses.dataclass(frozen=True)

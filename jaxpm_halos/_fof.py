@@ -31,14 +31,12 @@ from ._catalogue import Catalogue, catalogue_rows
 from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
 from ._config import IMAGES, MAX_HALOS, FoFConfig
 from ._domain import Decomposition, Extended, Ghosts, pmax_all, psum_all, selection
-from ._frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
-                        prepare, program_cache, row_masses, trim_padding)
+from ._frontend import particle_fields, particles_of
 from ._geometry import periodic_distance2
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
-from ._pipeline import Plan, Step, analyse, on_device, plan_for, run_sharded
-from ._retry import run_growing
-from ._status import Limit, Status, is_traced
+from ._pipeline import Plan, Step, analyse
+from ._status import Limit, Status
 
 int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max
@@ -176,21 +174,29 @@ def ghost_width(linking_length: float, box_size: float) -> float:
     return float(linking_length) * (1 + 1e-5) + 8 * float(np.finfo(np.float32).eps) * box_size
 
 
-def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig) -> Step:
+def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,
+             peak_density=None) -> Step:
     """FoF as a pipeline :class:`~._pipeline.Step`: labels per particle and the catalogue.
 
     ``plan`` is the decomposition's; when its ghost layer is wider than FoF needs (kNN's,
     in situ), FoF rebuilds ghosts of its own width from the migrated particles: the wider
-    layer would only add rows to sort and scan.
+    layer would only add rows to sort and scan. ``peak_density(decomposition)``, when
+    given, returns ``(density, status)`` per owned row: the catalogue then finds each
+    group's density peak.
     """
     own = plan.with_width(ghost_width(linking_length, plan.pencils.box_size))
 
     def run(decomposition: Decomposition):
-        ghost_status = None
+        density = density_status = ghost_status = None
+        if peak_density is not None:
+            density, density_status = peak_density(decomposition)
         if plan.width > own.width * (1 + 1e-6):
             decomposition, ghost_status = own.reghost(decomposition.migrated, "fof ghosts")
         labels, catalogue = fof_on_decomposition(own, decomposition, linking_length,
-                                                 min_members, config)
+                                                 min_members, config, density)
+        if density_status is not None:
+            catalogue = dataclasses.replace(catalogue,
+                                            status=density_status.merge(catalogue.status))
         if ghost_status is not None:
             catalogue = dataclasses.replace(catalogue,
                                             status=ghost_status.merge(catalogue.status))
@@ -201,9 +207,10 @@ def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFCon
 
 
 def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_length: float,
-                         min_members: int, config: FoFConfig):
+                         min_members: int, config: FoFConfig, density=None):
     """FoF labels of the owned rows and this device's catalogue, from a decomposition whose
-    ghost layer is ``plan.width`` (:func:`ghost_width` of the linking length) wide.
+    ghost layer is ``plan.width`` (:func:`ghost_width` of the linking length) wide. With a
+    per-owned-row ``density``, the catalogue holds each group's density peak.
 
     The catalogue's status covers the buffers FoF adds (z images and halo rows).
     """
@@ -222,101 +229,15 @@ def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_lengt
         pencils, pos=payload["pos"], vel=payload.get("vel"), mass=payload["mass"],
         ids=payload["id"], owned=migrated.valid, group=group[:capacity],
         segments=segments, labels=labels[:capacity], has_ghost=has_ghost,
-        min_members=min_members, halo_rows=halo_rows)
+        min_members=min_members, halo_rows=halo_rows, density=density)
     status = plan.status({"z images": need_images}, {"z images": IMAGES}).merge(
         Status(pmax_all(pencils, {"halos": need_halos}), jnp.int32(0),
                (("halos", Limit(MAX_HALOS, halo_rows)),)))
     catalogue = Catalogue(id=cat["id"], count=cat["count"], mass=cat["mass"], pos=cat["pos"],
                           vel=cat.get("vel"), vel_disp=cat.get("vel_disp"), radius=cat["radius"],
-                          percolates=cat["percolates"], num=num, status=status)
+                          percolates=cat["percolates"], num=num, status=status,
+                          peak=cat.get("peak"), centre="com" if density is None else "peak")
     return labels[:capacity], catalogue
-
-
-def _linking_length(problem: Problem, linking_length, b) -> float:
-    if (linking_length is None) == (b is None):
-        raise ValueError("give exactly one of linking_length (a length) or b (in units of the "
-                         "mean particle separation)")
-    l = float(linking_length) if b is None else float(b) * problem.mean_separation
-    if not l > 0 or l != l:
-        raise ValueError(f"the linking length must be positive, got {l}")
-    wx, wy = problem.pencils.widths
-    if ghost_width(l, problem.box_size) > min(wx, wy):
-        raise ValueError(f"linking length {l} is wider than a pencil ({min(wx, wy)}) of the "
-                         f"({problem.pencils.px}, {problem.pencils.py}) mesh; use fewer devices "
-                         "along that axis")
-    if 3 * l > problem.box_size:
-        raise ValueError(f"linking length {l} must be below a third of the box {problem.box_size}")
-    return l
-
-
-@program_cache(32)
-def _fof_program(problem: Problem, in_specs, linking_length: float, min_members: int,
-                 config: FoFConfig):
-    layout = problem.layout
-    plan = plan_for(problem, config.domain, ghost_width(linking_length, problem.box_size))
-    steps = {"fof": fof_step(plan, linking_length, min_members, config)}
-
-    def device(*blocks):
-        fields, shape = local_fields(problem, *blocks)
-        fields["mass"] = row_masses(problem, fields)
-        valid = local_valid(problem, fields["pos"].shape[0])
-        return on_device(plan, fields, valid, shape, steps)
-
-    def run(*args):
-        out = run_sharded(layout, device, args, in_specs)["fof"]
-        return out["labels"], out["catalogue"]
-
-    return jax.jit(run)
-
-
-def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
-        min_members: int = 20, mesh=None, config: FoFConfig = FoFConfig(), grow: bool = True):
-    """Friends-of-friends groups and their catalogue, distributed over the input's mesh.
-
-    Args:
-      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
-        then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
-        ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
-        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`. Integer
-        and half-precision (float16, bfloat16) positions, velocities and masses are
-        computed in float32.
-      box_size: periodic box side, in the unit of ``pos`` (taken from Particles).
-      linking_length: two particles are friends when their minimum-image distance is at
-        most this length.
-      b: alternatively, the linking length in units of the mean separation ``L / N^(1/3)``
-        (``L / nc`` for grids).
-      vel, mass: optional velocities (same shape as ``pos``) and masses (scalar or per
-        particle, finite and >= 0) for the catalogue; taken from Particles when present.
-        Inside ``jit``, particles with a bad mass are excluded and counted like non-finite
-        positions.
-      min_members: smallest group that enters the catalogue (an integer >= 1).
-      mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
-      config: buffer sizes (:class:`~jaxpm_halos.FoFConfig`).
-      grow: outside ``jit``, when a buffer overflows, grow it and run again (a few rounds
-        at most, then a :class:`~jaxpm_halos.GrowthWarning` names the config that fitted).
-        ``False`` raises :class:`~jaxpm_halos.CapacityError` instead, naming a setting
-        that fits.
-
-    Returns:
-      ``(labels, catalogue)``. ``labels`` has the input's leading shape and sharding; a
-      particle's label is the smallest id in its group (input index, or lattice index for
-      grids), so labels are identical on every mesh; particles excluded for a non-finite
-      position have label -1. ``catalogue`` is a padded :class:`~jaxpm_halos.Catalogue`.
-      Outside ``jit`` a non-finite position raises
-      :class:`~jaxpm_halos.InvalidInputError`; inside ``jit``, read ``catalogue.status``
-      (it covers every buffer the result depends on), or thread a runtime check with
-      ``labels = catalogue.status.error_if(labels)``.
-    """
-    problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)
-    l = _linking_length(problem, linking_length, b)
-    min_members = _check_integer("min_members", min_members, 1)
-    run = lambda cfg: _fof_program(problem, in_specs, l, min_members, cfg)(*args)
-    if is_traced(args):
-        labels, catalogue = run(config)
-    else:
-        (labels, catalogue), _ = run_growing(run, config, lambda out: out[1].status.failure(),
-                                                  grow=grow)
-    return trim_padding(problem, labels), catalogue
 
 
 def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),

@@ -40,11 +40,12 @@ from jax.sharding import PartitionSpec as P
 
 from ._cells import CellGrid, column_start, search_columns, sort_columns
 from ._config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
-from ._domain import Decomposition, pmax_all, psum_all
+from ._domain import Decomposition, pmax_all, psum_all, selection
 from ._fof import z_images
 from ._frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils
+from ._particles import _check_integer
 from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._status import InvalidInputError, Limit, Status, is_traced
@@ -85,6 +86,7 @@ def resolve_radius(config: SOConfig, mean_separation: float, pencils: Pencils) -
     """``config.radius``, checked, or the default: 4 mean particle separations, within
     what the mesh supports (the narrower pencil side, a third of the box)."""
     box = pencils.box_size
+    _check_integer("SOConfig(levels=...): levels", config.levels, 1)
     if config.radius is not None:
         return check_radius(config.radius, box, pencils)
     widest = (min(pencils.widths) - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5)
@@ -223,12 +225,15 @@ def _level(frame: _Frame, centres, pending, density, radius: float, heaviest, bo
 
 
 def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centre_valid,
-                        density, config: SOConfig, radius: float, mass=None):
+                        density, config: SOConfig, radius: float, mass=None,
+                        centre_limit: Limit | None = None):
     """SO masses and radii about ``centres`` (H, 3), replicated on every device.
 
     ``plan.width`` must be at least :func:`search_width` of ``radius``; ``density`` is
-    (D,). Returns ``(mass, radius, status)``, masses and radii (H, D), replicated; 0 for
-    invalid centres, NaN where the profile had not fallen below the threshold within
+    (D,). Each device searches about the centres in its pencil, compacted into
+    ``centre_limit.rows`` rows (buffer "so centres"; default: all H, which cannot
+    overflow). Returns ``(mass, radius, status)``, masses and radii (H, D), replicated;
+    0 for invalid centres, NaN where the profile had not fallen below the threshold within
     ``radius``.
     """
     pencils, box = plan.pencils, plan.pencils.box_size
@@ -241,20 +246,28 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     i, j = pencils.block_of(centres)
     ci, cj = pencils.coords()
     mine = centre_valid & jnp.all(jnp.isfinite(centres), axis=1) & (i == ci) & (j == cj)
+    rows = centres.shape[0] if centre_limit is None else centre_limit.rows
+    picked, need_centres = selection(mine, rows)  # (C,) indices into the H centres
+    local = jnp.take(centres, picked, axis=0, mode="fill", fill_value=0)  # (C, 3)
     density = jnp.asarray(density, frame.canon.dtype)
     pairs = config.pair_rows(plan.n0)
-    result = jnp.zeros((centres.shape[0], density.shape[0]), frame.canon.dtype)
-    pending, need_pairs = mine, jnp.int32(0)
+    result = jnp.zeros((rows, density.shape[0]), frame.canon.dtype)  # (C, D)
+    pending, need_pairs = jnp.arange(rows) < need_centres, jnp.int32(0)
     for level in range(config.levels):
         r = radius / 2 ** (config.levels - 1 - level)
-        result, done, need = _level(frame, centres, pending, density, r, heaviest, box, pairs,
+        result, done, need = _level(frame, local, pending, density, r, heaviest, box, pairs,
                                     result)
         pending, need_pairs = pending & ~done, jnp.maximum(need_pairs, need)
     result = jnp.where(pending[:, None], jnp.nan, result)
-    so_mass = psum_all(pencils, jnp.where(mine[:, None], result, 0))
+    scattered = jnp.zeros((centres.shape[0], density.shape[0]), result.dtype).at[picked].set(
+        result, mode="drop")
+    so_mass = psum_all(pencils, scattered)
     so_radius = jnp.cbrt(3 * so_mass / (4 * math.pi * density[None, :]))
     unresolved = psum_all(pencils, jnp.sum(pending, dtype=int32))
     status = _status(plan, config, radius, need_images, need_pairs, unresolved)
+    if centre_limit is not None:
+        status = Status(pmax_all(pencils, {"so centres": need_centres}), jnp.int32(0),
+                        (("so centres", centre_limit),)).merge(status)
     return so_mass, so_radius, status
 
 

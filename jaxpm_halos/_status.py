@@ -188,6 +188,12 @@ class Status:
         limits = self.limits + tuple(item for item in other.limits if item[0] not in mine)
         return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite), limits)
 
+    def renamed(self, prefix: str) -> "Status":
+        """The same status with ``prefix`` before every buffer name (to merge it with a
+        status of other buffers of the same names)."""
+        return Status({prefix + name: value for name, value in self.needed.items()},
+                      self.nonfinite, tuple((prefix + name, limit) for name, limit in self.limits))
+
     def failure(self) -> Failure | None:
         """Host-side: the first failure, or None when all is well."""
         nonfinite = int(np.max(np.asarray(self.nonfinite)))

@@ -38,9 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ._config import DomainConfig, FoFConfig, KNNConfig
+from ._config import DomainConfig, FoFConfig, KNNConfig, SOConfig
 from ._domain import Decomposition
-from ._fof import fof_step, ghost_width as fof_ghost_width
+from ._fof import ghost_width as fof_ghost_width
+from ._halos import Extras, check_centre, halo_step, peak_densities, so_request
 from ._frontend import local_fields, particles_of, prepare, program_cache
 from ._geometry import grid_to_box
 from ._jaxpm import check_state_positions, resolve_pm_nc
@@ -49,6 +50,7 @@ from ._knn_api import knn_on_plan
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
 from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
+from ._so import resolve_radius
 from ._retry import run_growing
 from ._saveloop import pin_to_save_loop
 from ._status import Status, is_traced, spell_config
@@ -76,6 +78,14 @@ class Snapshot:
     plan: Plan
     a: jax.Array
     insitu: "InSitu"
+    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def shared(self, key: str, compute: Callable[[], Any]):
+        """``compute()``, run once per snapshot however many analyses ask for ``key`` (the
+        kNN search that both ``knn_density`` and FoF's density peaks use)."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
     @property
     def pencils(self) -> Pencils:
@@ -138,21 +148,47 @@ def analysis(name: str) -> Analysis:
 # Built-in analyses
 
 
+def _extras(insitu: "InSitu", pencils: Pencils) -> Extras:
+    radius = resolve_radius(insitu.fof.so, insitu.box_size / insitu.nc, pencils) \
+        if insitu.so else 0.0
+    return Extras(insitu.so, insitu.centre, insitu.k, radius)
+
+
 def _fof_width(insitu: "InSitu", pencils: Pencils) -> float:
-    return fof_ghost_width(insitu.linking_length, insitu.box_size)
+    return _extras(insitu, pencils).width(insitu.linking_length, insitu.nc ** 3, pencils,
+                                          insitu.knn)
 
 
 @register("fof", outputs={"labels": "particle", "catalogue": "device"}, width=_fof_width)
 def _fof_analysis(snap: Snapshot):
     """FoF labels (lattice index of each group's first particle) and the catalogue
-    (positions Mpc/h, velocities km/s, masses Msun/h or particle counts)."""
+    (positions Mpc/h, velocities km/s, masses Msun/h or particle counts), with SO masses
+    (Msun/h) and radii (comoving Mpc/h) and density peaks when the InSitu asks."""
     insitu = snap.insitu
-    step = fof_step(snap.plan, insitu.linking_length, insitu.min_members, insitu.fof)
+    extras = _extras(insitu, snap.pencils)
+    densities = None
+    if extras.so:
+        densities = jnp.stack([jnp.asarray(units.so_density(name, omega_m=insitu.omega_m,
+                                                            a=snap.a), snap.a.dtype)
+                               for name in extras.so])
+    density = None
+    if extras.centre == "peak":
+        density = lambda dec: peak_densities(*_knn_result(snap), insitu.k)
+    step = halo_step(snap.plan, insitu.linking_length, insitu.min_members, insitu.fof, extras,
+                     densities, density)
     return step.run(snap.decomposition)
 
 
 def _knn_width(insitu: "InSitu", pencils: Pencils) -> float:
     return knn_ghost_width(insitu.k, insitu.nc ** 3, pencils, insitu.knn)
+
+
+def _knn_result(snap: Snapshot):
+    """The kNN search of the owned particles, shared by ``knn_density`` and FoF's peaks."""
+    insitu = snap.insitu
+    plan = snap.plan.with_width(_knn_width(insitu, snap.pencils))
+    return snap.shared("knn", lambda: knn_on_plan(plan, snap.decomposition, insitu.k,
+                                                  insitu.knn))
 
 
 @register("knn_density", outputs={"density": "particle", "status": "replicated"},
@@ -163,8 +199,7 @@ def _knn_density_analysis(snap: Snapshot):
     ``rho / rho_mean - 1``. Exact: spheres that leave the ghost layer are completed across
     devices."""
     insitu = snap.insitu
-    plan = snap.plan.with_width(_knn_width(insitu, snap.pencils))
-    result, status = knn_on_plan(plan, snap.decomposition, insitu.k, insitu.knn)
+    result, status = _knn_result(snap)
     rho = density_from(result["dist"], result["neighbour_mass"], insitu.k)
     if insitu.overdensity:
         mean = insitu.nc ** 3 * snap.particles.mass[0] / insitu.box_size ** 3
@@ -190,6 +225,14 @@ class InSitu:
       k: neighbours for ``knn_density``, an integer with ``2 <= k < nc**3``.
       omega_m: total matter density; when given, masses are in Msun/h (else 1 per particle).
       overdensity: ``knn_density`` returns ``rho / rho_mean - 1`` instead of rho.
+      so: spherical-overdensity definitions for the FoF catalogue, e.g.
+        ``("200c", "200m", "vir")`` (:func:`~jaxpm_halos.units.so_density` at each
+        snapshot's ``a``; needs ``omega_m``): the catalogue's ``so`` holds ``m200c``
+        (Msun/h) and ``r200c`` (comoving Mpc/h), and so on, about the halo's centre. The
+        largest radius searched is ``fof.so.radius``.
+      centre: ``"com"`` (centre of mass) or ``"peak"`` (the member with the highest kNN
+        density of ``k`` neighbours, from the same search as ``knn_density``): the SO
+        centre, stored as the catalogue's ``peak``.
       save_state: also save the state ``y`` itself at each snapshot.
       mesh: the device mesh; default: the state's (abstract) mesh.
       domain: the buffers of the decomposition shared by every analysis (FoF's z images
@@ -218,6 +261,8 @@ class InSitu:
     k: int = 16
     omega_m: float | None = None
     overdensity: bool = False
+    so: tuple[str, ...] = ()
+    centre: str = "com"
     save_state: bool = False
     mesh: Any = None
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
@@ -239,20 +284,34 @@ class InSitu:
         object.__setattr__(self, "min_members",
                            _check_integer("InSitu(min_members=...): min_members",
                                           self.min_members, 1))
-        if "knn_density" in self.analyses:
+        if "knn_density" in self.analyses or self.centre == "peak":
             object.__setattr__(self, "k", _check_k(self.k, self.nc))
         if self.nc is None:  # types only; pm_nc against nc once a state gives nc
             resolve_pm_nc(self.pm_nc or 1, self.pm_nc, self.paint_absolute_pos)
         else:
             object.__setattr__(self, "pm_nc",
                                resolve_pm_nc(self.nc, self.pm_nc, self.paint_absolute_pos))
-        for attr in ("fof", "knn"):
-            inner = getattr(self, attr).domain
+        check_centre(self.centre)
+        object.__setattr__(self, "so", (self.so,) if isinstance(self.so, str)
+                           else tuple(self.so))
+        if self.so:
+            if self.omega_m is None:
+                raise ValueError(f"InSitu(so={self.so!r}) needs omega_m= (the thresholds "
+                                 "and the particle mass depend on it)")
+            so_request(self.so, self.omega_m)  # names checked now, not in the solve
+        if (self.so or self.centre != "com") and "fof" not in self.analyses:
+            raise ValueError("InSitu(so=..., centre=...) add to the FoF catalogue: include "
+                             "'fof' in analyses")
+        for attr, inner in (("fof", self.fof.domain), ("knn", self.knn.domain),
+                            ("fof", self.fof.so.domain)):
             if inner != DomainConfig():
                 # Silently ignoring it would undo a fix pasted from an older message.
                 raise ValueError(f"InSitu sizes its shared decomposition with its own "
                                  f"domain=; pass domain={spell_config(inner)} instead of "
                                  f"{attr}=...(domain=...)")
+        if self.fof.knn != KNNConfig():
+            raise ValueError(f"InSitu's density peaks use its knn= settings; pass "
+                             f"knn={spell_config(self.fof.knn)} instead of fof=...(knn=...)")
 
     @property
     def linking_length(self) -> float:
@@ -372,6 +431,7 @@ def check(outputs, insitu: "InSitu | None" = None) -> None:
 
 
 _CONFIG_FIELD = {DomainConfig: "domain", FoFConfig: "fof", KNNConfig: "knn"}
+_CONFIG_CLASS = {attr: cls for cls, attr in _CONFIG_FIELD.items()}
 
 
 def _first_failure(outputs):
@@ -387,8 +447,9 @@ def _first_failure(outputs):
 def _error(failure, insitu: "InSitu | None") -> Exception:
     if failure.limit is None:
         return failure.error()
-    attr = _CONFIG_FIELD[failure.limit.knob.owner]
-    config = getattr(insitu, attr) if insitu is not None else failure.limit.knob.owner()
+    owner = failure.limit.knob.owner
+    attr = "fof" if owner is SOConfig else _CONFIG_FIELD[owner]  # SO settings: fof.so
+    config = getattr(insitu, attr) if insitu is not None else _CONFIG_CLASS[attr]()
     return failure.error(config, f"InSitu({attr}={{}})")
 
 
@@ -438,9 +499,12 @@ def _compiled(insitu: InSitu, problem, dtype):
         fields["vel"] = units.momentum_to_velocity(mom.reshape(-1, 3), a, box, pm_nc)
         fields["mass"] = jnp.full(fields["pos"].shape[0], mass, disp.dtype)
 
+        memo = {}  # one per snapshot: work analyses share (the kNN search)
+
         def step(an: Analysis) -> Step:
             def run(dec):
-                return an.run(Snapshot(particles_of(dec.migrated, box), dec, plan, a, insitu))
+                return an.run(Snapshot(particles_of(dec.migrated, box), dec, plan, a, insitu,
+                                       memo))
             return Step(run, an.outputs)
 
         steps = {an.name: step(an) for an in selected}

@@ -1,12 +1,16 @@
 """HDF5 halo catalogue files, written from one process.
 
 One file per snapshot. The root holds one dataset per catalogue field (``id``, ``count``,
-``mass``, ``pos``, ``vel``, ``vel_disp``, ``radius``; the valid halos only, sorted by id),
-each with a ``unit`` attribute, and the root attributes describe the run:
+``mass``, ``pos``, ``vel``, ``vel_disp``, ``radius``, ``percolates``, ``peak``, then the
+spherical-overdensity masses and radii ``m200c``, ``r200c``, ...; the valid halos only,
+sorted by id), each with a ``unit`` attribute (SO datasets also a ``definition``), and the
+root attributes describe the run:
 
 - ``box_size`` (Mpc/h), ``nc`` (particles per side), ``a`` (scale factor), ``redshift``,
 - ``linking_length`` (Mpc/h), ``b`` (in mean separations), ``min_members``,
 - ``num_halos``, ``format`` (``"jaxpm_halos.catalogue"``) and ``version``,
+- with SO quantities, ``so_definitions`` (e.g. ``["200c", "vir"]``) and ``so_centre``
+  (``"com"`` or ``"peak"``),
 - any extra attributes passed to :func:`write_catalogue` (under other names: :data:`RESERVED`).
 
 The cosmology and the units are dicts, stored as the attributes of two empty groups,
@@ -36,14 +40,16 @@ import numpy as np
 __all__ = ["FIELDS", "INSITU_UNITS", "LoadedCatalogue", "gather_catalogue", "load_catalogue",
            "write_catalogue"]
 
-FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates")
-"""Catalogue fields, in file order (``vel`` and ``vel_disp`` may be absent, and
-``percolates`` in files written before it existed)."""
+FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates", "peak")
+"""Catalogue fields, in file order (``vel``, ``vel_disp`` and ``peak`` may be absent, and
+``percolates`` in files written before it existed). Spherical-overdensity datasets
+(``m200c``, ``r200c``, ...) follow, named in the root attribute ``so_definitions``."""
 
 INSITU_UNITS = {
     "id": "lattice index of the group's first particle", "count": "particles",
     "mass": "Msun/h", "pos": "Mpc/h", "vel": "km/s", "vel_disp": "km/s", "radius": "Mpc/h",
     "percolates": "flag: spans half the box or more along some axis", "box_size": "Mpc/h", "linking_length": "Mpc/h",
+    "peak": "Mpc/h",
 }
 """Units of a catalogue from :class:`jaxpm_halos.InSitu` with ``omega_m`` given (without
 ``omega_m``, ``mass`` counts particles)."""
@@ -54,7 +60,7 @@ REQUIRED = ("id", "count", "mass", "pos", "radius")
 """Datasets every catalogue file holds (``vel`` and ``vel_disp`` are optional)."""
 
 RESERVED = ("format", "version", "box_size", "nc", "a", "redshift", "linking_length", "b",
-            "min_members", "num_halos", "cosmology", "units")
+            "min_members", "num_halos", "cosmology", "units", "so_definitions", "so_centre")
 """Root attributes written from :func:`write_catalogue`'s own arguments (and the two group
 names :func:`load_catalogue` puts among the attributes): not allowed in ``attrs``."""
 
@@ -76,7 +82,7 @@ def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.nda
     """
     if isinstance(catalogue, Mapping):
         return {k: np.asarray(v) for k, v in catalogue.items()}
-    leaves = {f: getattr(catalogue, f) for f in FIELDS if getattr(catalogue, f) is not None}
+    leaves = catalogue.fields()
     num = catalogue.num
     stacked = np.ndim(num) == 2
     if stacked and snapshot is None:
@@ -85,8 +91,9 @@ def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.nda
         raise ValueError("snapshot given, but the catalogue is not stacked over snapshots")
     if all(_addressable(x) for x in (num, *leaves.values())):
         pick = (lambda x: np.asarray(x)[snapshot]) if stacked else np.asarray
-        single = dataclasses.replace(catalogue, num=pick(num),
-                                     **{f: pick(x) for f, x in leaves.items()})
+        so = {f: pick(x) for f, x in (catalogue.so or {}).items()}
+        single = dataclasses.replace(catalogue, num=pick(num), so=so or None,
+                                     **{f: pick(x) for f, x in leaves.items() if f not in so})
         return single.to_numpy()
 
     # Multi-process: compact this process's valid rows, all-gather them, dedupe blocks.
@@ -179,7 +186,8 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
       linking_length: FoF linking length in the unit of positions (Mpc/h in situ).
       b: the same in units of the mean interparticle separation ``box_size / nc``.
       min_members: smallest group in the catalogue.
-      units: ``{field or attribute: unit}``; default :data:`INSITU_UNITS`.
+      units: ``{field or attribute: unit}``; default :data:`INSITU_UNITS` (with SO masses
+        in Msun/h and radii in comoving Mpc/h).
       snapshot: index into a catalogue stacked over snapshots.
       attrs: extra root attributes (numbers, strings or arrays).
 
@@ -207,11 +215,20 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     if not isinstance(cosmology, Mapping):
         raise ValueError(f"cosmology must be a dict of parameters, got {cosmology!r}")
     cosmology = {str(k): _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
-    units = {str(k): str(v) for k, v in (INSITU_UNITS if units is None else units).items()}
     fields = gather_catalogue(catalogue, snapshot)
+    so = _so_definitions(catalogue, fields)
+    if units is None:
+        units = dict(INSITU_UNITS)
+        for name in so:
+            units.update({"m" + name: "Msun/h", "r" + name: "Mpc/h (comoving)"})
+    units = {str(k): str(v) for k, v in units.items()}
     if jax.process_index() != 0:
         return None
     root["num_halos"] = int(fields["id"].shape[0])
+    if so:
+        root["so_definitions"] = _attr(np.asarray(so))
+        root["so_centre"] = getattr(catalogue, "centre",
+                                    "peak" if "peak" in fields else "com")
     path = os.fspath(path)
     folder = os.path.dirname(path)
     if folder:
@@ -227,15 +244,29 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     return path
 
 
+def _so_definitions(catalogue, fields) -> list[str]:
+    """The SO definitions of a catalogue (``"200c"`` for ``m200c`` and ``r200c``)."""
+    names = list(catalogue.so) if getattr(catalogue, "so", None) else \
+        [f for f in fields if f not in FIELDS]
+    return [n[1:] for n in names if n.startswith("m") and "r" + n[1:] in fields]
+
+
 def _write(path, fields, units, root, cosmology):
     import h5py
 
+    so = [n for n in fields if n not in FIELDS]
+    centre = root.get("so_centre", "com")
     with h5py.File(path, "w") as f:
-        for name in FIELDS:
-            if name in fields:
-                ds = f.create_dataset(name, data=fields[name])
-                if name in units:
-                    ds.attrs["unit"] = units[name]
+        for name in [n for n in FIELDS if n in fields] + so:
+            ds = f.create_dataset(name, data=fields[name])
+            if name in units:
+                ds.attrs["unit"] = units[name]
+            if name in so:
+                kind = "mass" if name[0] == "m" else "radius"
+                ds.attrs["definition"] = (
+                    f"spherical-overdensity {kind}, threshold {name[1:]} (jaxpm_halos.units."
+                    f"so_density), first downcrossing over all particles about the "
+                    f"{'density peak' if centre == 'peak' else 'centre of mass'}")
         f.attrs.update(root)
         f.create_group("cosmology").attrs.update(cosmology)
         f.create_group("units").attrs.update(units)
@@ -321,7 +352,9 @@ def load_catalogue(path) -> LoadedCatalogue:
         missing = [name for name in REQUIRED + ("cosmology", "units") if name not in f]
         if missing:
             raise ValueError(f"{path}: the catalogue file lacks {missing}")
-        fields = {name: f[name][()] for name in FIELDS if name in f}
+        so = [str(n) for n in np.atleast_1d(f.attrs.get("so_definitions", []))]
+        names = list(FIELDS) + [p + n for n in so for p in ("m", "r")]
+        fields = {name: f[name][()] for name in names if name in f}
         attrs = plain(f.attrs)
         attrs["cosmology"] = plain(f["cosmology"].attrs)
         attrs["units"] = plain(f["units"].attrs)
@@ -335,7 +368,7 @@ def _check_rows(path, fields, num_halos):
         raise ValueError(f"{path}: dataset 'id' has shape {fields['id'].shape}, not (halos,)")
     n = fields["id"].shape[0]
     for name, value in fields.items():
-        shape = (n, 3) if name in ("pos", "vel") else (n,)
+        shape = (n, 3) if name in ("pos", "vel", "peak") else (n,)
         if value.shape != shape:
             raise ValueError(f"{path}: dataset {name!r} has shape {value.shape}; with {n} ids "
                              f"it should be {shape}")

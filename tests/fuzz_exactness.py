@@ -10,7 +10,9 @@ distances near the linking length are exact in float32, and the linking length i
 so that no pair lies at exactly l: float32 and float64 FoF must then agree.
 
 On meshes (1, 8), (8, 1), (2, 4), (4, 2) and on one device it checks FoF labels against
-scipy (``cKDTree.query_pairs`` + ``connected_components``) and kNN against ``cKDTree.query``.
+scipy (``cKDTree.query_pairs`` + ``connected_components``), kNN against ``cKDTree.query``,
+and the catalogue's density peaks (the member at the smallest k-th neighbour distance) and
+SO masses about them (200 and 1000 times the mean density) against a float64 brute force.
 The calls run with default configs and grow their buffers themselves (``grow=True``); any
 exception, ``CapacityError`` included, counts as a failure, and the growth warnings are
 counted. ``--paste`` instead answers each ``CapacityError`` of ``grow=False`` calls by
@@ -39,6 +41,7 @@ import jaxpm_halos as jh  # noqa: E402
 import reference as ref  # noqa: E402
 from conftest import MESH_SHAPES, make_mesh  # noqa: E402
 from test_knn import _check_exact  # noqa: E402
+from test_so import so_reference  # noqa: E402
 
 CONFIGS = {"DomainConfig": jh.DomainConfig, "FoFConfig": jh.FoFConfig, "KNNConfig": jh.KNNConfig}
 
@@ -96,6 +99,23 @@ def growing(run, config):
     return result, sum(issubclass(w.category, jh.GrowthWarning) for w in caught)
 
 
+def _check_peaks_and_so(pos, box, labels, cat, r_k, thresholds):
+    """Each halo's peak is a member at the smallest k-th neighbour distance of its group
+    (the highest kNN density; ties may pick any of equal distance), and its SO masses
+    about the peak equal a float64 brute force to within one particle."""
+    for hid, peak in zip(cat["id"], cat["peak"]):
+        members = np.where(labels == hid)[0]
+        at = members[np.all(pos[members] == peak, axis=1)]
+        assert len(at), f"peak of halo {hid} is not one of its members"
+        densest = r_k[at].min() <= r_k[members].min() * (1 + 1e-6)
+        assert densest, f"peak of halo {hid} is not the densest member"
+    densities = np.array(list(thresholds.values()))
+    brute = so_reference(pos, cat["peak"], box, densities, 1.0)
+    for d, name in enumerate(thresholds):
+        off = np.max(np.abs(cat["m" + name] - brute[:, d]), initial=0)
+        assert off <= 1, f"SO m{name} is {off} particles from the brute force"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=10)
@@ -110,6 +130,8 @@ def main(argv=None):
     step = grid_step(box)
     link = float(np.sqrt(round((0.2 * box / args.n ** (1 / 3) / step) ** 2) + 0.5) * step)
     meshes = [make_mesh(shape) for shape in MESH_SHAPES] + [None]
+    mean = args.n / box ** 3
+    thresholds = {"200": 200 * mean, "1000": 1000 * mean}
     failures = grown = 0
 
     def call(run, config):
@@ -130,13 +152,16 @@ def main(argv=None):
                 pos, NamedSharding(mesh, P(tuple(mesh.axis_names))))
             where = "one device" if mesh is None else f"mesh {tuple(mesh.shape.values())}"
             try:
-                labels, _ = call(lambda c, **kw: jh.fof(x, box, link, min_members=5, mesh=mesh,
-                                                        config=c, **kw), jh.FoFConfig())
+                labels, cat = call(lambda c, **kw: jh.fof(
+                    x, box, link, min_members=5, mesh=mesh, so=thresholds, centre="peak",
+                    k=k, config=c, **kw), jh.FoFConfig())
                 wrong = int(np.sum(np.asarray(labels) != want))
                 assert wrong == 0, f"FoF: {wrong} labels differ from scipy's"
                 dist, idx = call(lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw),
                                  jh.KNNConfig())
                 _check_exact(pos, box, k, dist, idx)
+                _check_peaks_and_so(pos, box, np.asarray(labels), cat.to_numpy(),
+                                    np.asarray(dist)[:, k - 1], thresholds)
             except Exception as error:  # noqa: BLE001 - every exception is a failure here
                 failures += 1
                 print(f"seed {seed}, {where}: {type(error).__name__}: {error}", flush=True)

@@ -93,6 +93,7 @@ def test_user_analysis_comes_back_in_grid_layout(speed_analysis, mesh_shape):
 
 
 NC, BOX, STEPS, TS = 32, 32.0, 5, (0.5, 1.0)
+SO = ("200c", "200m", "vir")
 OMEGA_C, SIGMA8 = 0.25, 0.8
 
 
@@ -136,7 +137,7 @@ def insitu_run():
     omega_m = OMEGA_C + float(jc.Planck15().Omega_b)
     analyses = ("fof", "knn_density") if "knn_density" in REGISTRY else ("fof",)
     insitu = InSitu(box_size=BOX, analyses=analyses, b=0.2, min_members=20, k=16,
-                    omega_m=omega_m, save_state=True)
+                    omega_m=omega_m, save_state=True, so=SO, centre="peak")
     with _quiet():
         out, ok = jax.jit(lambda seed: simulate(insitu, mesh, NC, BOX, STEPS, TS, seed=seed))(0)
     assert bool(ok)
@@ -217,6 +218,33 @@ def test_insitu_units(insitu_run, reference):
     # positions in Mpc/h inside the box; radii well below the box
     assert got["pos"].min() >= 0 and got["pos"].max() < BOX
     assert 0 < got["radius"].min() and got["radius"].max() < BOX / 4
+
+
+@requires_jaxpm
+def test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force(insitu_run):
+    """Inside diffeqsolve's SaveAt: the density peaks and SO masses and radii (thresholds
+    at each snapshot's a) equal fof(so=..., centre="peak") run afterwards on the saved
+    state, and a float64 brute force to within one particle."""
+    from test_so import so_reference
+
+    out, insitu, m_p = insitu_run["out"], insitu_run["insitu"], insitu_run["mass"]
+    for snapshot, a in enumerate(TS):
+        state = out["state"][snapshot]
+        particles = from_jaxpm(state, box_size=BOX, mass=m_p)
+        _, cat = jaxpm_halos.fof(particles, b=0.2, min_members=20, so=SO,
+                                 omega_m=insitu.omega_m, a=a, centre="peak", k=insitu.k)
+        ref = cat.to_numpy()
+        got = gather_catalogue(out["fof"]["catalogue"], snapshot=snapshot)
+        names = ["peak"] + [p + n for n in SO for p in "mr"]
+        assert set(names) <= set(got)
+        for name in names:
+            np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
+        thresholds = [units.so_density(n, omega_m=insitu.omega_m, a=a) for n in SO]
+        pos = np.asarray(particles.pos).reshape(-1, 3)
+        brute = so_reference(pos, got["peak"], BOX, thresholds, m_p)
+        assert np.all(np.abs(np.stack([got["m" + n] for n in SO], 1) - brute) <= m_p * 1.001)
+        assert np.all(got["m200m"] >= got["mvir"]) and np.all(got["mvir"] >= got["m200c"])
+        assert np.max(got["m200m"]) > 50 * m_p  # resolved haloes, not single particles
 
 
 @NEEDS_KNN

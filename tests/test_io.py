@@ -169,3 +169,33 @@ def test_load_names_what_a_damaged_file_lacks(tmp_path, damage, message):
     _damaged(path, damage)
     with pytest.raises(ValueError, match=message):
         load_catalogue(path)
+
+
+def test_round_trip_so_and_peak(tmp_path):
+    """SO datasets (m200c, r200c, ...) and the density peak, from a sharded fof catalogue,
+    with their units, definitions and centre; a numpy dict infers the centre from peak."""
+    rng = np.random.default_rng(5)
+    clumps = rng.uniform(0, 32, (6, 3))
+    pos = np.concatenate([c + rng.normal(0, 0.3, (80, 3)) for c in clumps]
+                         + [rng.uniform(0, 32, (1520, 3))])
+    pos = jax.device_put(jnp.asarray(np.mod(pos, 32).astype(np.float32)),
+                         NamedSharding(make_mesh((2, 4)), P(("x", "y"))))
+    _, cat = jaxpm_halos.fof(pos, 32.0, b=0.2, mass=1e11, min_members=5,
+                             so=("200c", "vir"), omega_m=0.3, a=0.5, centre="peak", k=8)
+    expected = cat.to_numpy()
+    assert {"peak", "m200c", "r200c", "mvir", "rvir"} <= set(expected)
+    assert np.all(expected["m200c"] > 0)
+    got = load_catalogue(write_catalogue(tmp_path / "so.h5", cat, **META))
+    assert set(got.keys()) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert list(got.attrs["so_definitions"]) == ["200c", "vir"]
+    assert got.attrs["so_centre"] == "peak"
+    assert got.attrs["units"]["m200c"] == "Msun/h"
+    assert got.attrs["units"]["rvir"] == "Mpc/h (comoving)"
+    with h5py.File(tmp_path / "so.h5") as f:
+        assert "200c" in f["m200c"].attrs["definition"]
+        assert "density peak" in f["r200c"].attrs["definition"]
+    # From the numpy dict: same datasets, centre read off the presence of peak.
+    got = load_catalogue(write_catalogue(tmp_path / "so_np.h5", expected, **META))
+    assert got.attrs["so_centre"] == "peak" and set(got.keys()) == set(expected)

@@ -3,7 +3,6 @@ mesh, for centres on box and pencil corners, haloes wider than FoF's ghost layer
 unequal masses; inside jit; growth and errors; the thresholds of ``units.so_density``."""
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -238,3 +237,78 @@ def test_so_density_against_jax_cosmo():
         assert units.so_density("vir", omega_m=0.3, a=a) == pytest.approx(expected, rel=1e-4)
         assert units.so_density("200c", omega_m=0.3, a=a) == pytest.approx(
             200 * units.RHO_CRIT * e2 * a ** 3, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# The catalogue: density-peak centres and SO quantities from fof
+
+
+def _planted(seed=1):
+    """Clumps with a known densest member: a tight core of 12 particles whose nearest
+    point is planted at a known spot, inside a looser halo of 150, on box and pencil
+    corners; over a uniform background."""
+    rng = np.random.default_rng(seed)
+    spots = np.array([[0.02, 0.02, BOX - 0.02], [BOX / 2, BOX / 4, BOX / 2],
+                      [BOX / 4, BOX / 2, 0.5], [3 * BOX / 4, 3 * BOX / 4, 3 * BOX / 4]])
+    parts = []
+    for spot in spots:
+        parts.append(spot + rng.normal(0, 0.35, (150, 3)))
+        core = spot + rng.normal(0, 0.004, (12, 3))
+        parts.append(core)
+    pos = np.concatenate(parts + [rng.uniform(0, BOX, (2000, 3))])
+    return np.mod(pos, BOX).astype(np.float32), spots
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """The planted layout and its kNN density (k = 8), which is bitwise the same on every
+    mesh (tests/test_knn.py), so one device computes it."""
+    pos, spots = _planted()
+    return pos, spots, np.asarray(jh.knn_density(pos, BOX, 8, mesh=make_mesh((1, 1))))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (4, 2), (1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_density_peaks_of_planted_clumps_and_so(shape, planted):
+    mesh = make_mesh(shape)
+    pos, spots, rho = planted
+    x = jax.device_put(jnp.asarray(pos), NamedSharding(mesh, P(mesh.axis_names)))
+    density = {"200": 200 * len(pos) / BOX ** 3, "1000": 1000 * len(pos) / BOX ** 3}
+    labels, cat = jh.fof(x, BOX, b=0.2, min_members=50, so=density, centre="peak", k=8)
+    assert bool(cat.status.ok) and cat.centre == "peak"
+    got = cat.to_numpy()
+    assert len(got["id"]) == len(spots)
+    # Each peak is a member of its tight core, within its spread of the planted spot.
+    for spot in spots:
+        d = np.abs(got["peak"] - spot)
+        d = np.minimum(d, BOX - d)
+        assert np.min(np.linalg.norm(d, axis=1)) < 0.03
+    # The peak is exactly the member with the highest kNN density (ties: smallest id).
+    labels = np.asarray(labels)
+    for hid, peak in zip(got["id"], got["peak"]):
+        members = np.where(labels == hid)[0]
+        best = members[np.lexsort((members, -rho[members]))[0]]
+        np.testing.assert_array_equal(peak, pos[best])
+    ref = so_reference(pos, got["peak"], BOX, np.array(list(density.values())), 1.0)
+    for d, name in enumerate(density):
+        _check(got["r" + name], got["m" + name], ref[:, d], list(density.values())[d])
+    # First downcrossings beyond the tight cores (12 particles), within the clumps.
+    assert np.all(got["m200"] >= got["m1000"]) and np.all(got["m200"] > 12)
+
+
+def test_fof_so_definitions_about_the_centre_of_mass():
+    """``so=("200c", ...)`` with omega_m and a: masses in the input's unit, about ``pos``."""
+    pos, _ = _planted(2)
+    particle = 1e11
+    box = BOX  # read as Mpc/h
+    labels, cat = jh.fof(pos, box, b=0.2, mass=particle, min_members=50,
+                         so=("200c", "vir"), omega_m=0.3, a=0.8)
+    got = cat.to_numpy()
+    assert cat.centre == "com" and "peak" not in got
+    thresholds = [units.so_density(n, omega_m=0.3, a=0.8) for n in ("200c", "vir")]
+    ref = so_reference(pos, got["pos"], box, thresholds, particle)
+    for d, name in enumerate(("200c", "vir")):
+        _check(got["r" + name], got["m" + name], ref[:, d], thresholds[d], particle)
+    with pytest.raises(ValueError, match="omega_m"):
+        jh.fof(pos, box, b=0.2, so=("200c",))
+    with pytest.raises(ValueError, match="centre"):
+        jh.fof(pos, box, b=0.2, centre="middle")

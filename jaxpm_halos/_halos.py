@@ -1,0 +1,275 @@
+"""The halo catalogue: FoF groups, with density-peak centres and spherical-overdensity
+masses when asked, from one decomposition; and the public :func:`fof`.
+
+The catalogue's extras run on the decomposition FoF shares with them:
+
+* ``centre="peak"``: the kNN density of every particle (:mod:`._knn`), from which the
+  catalogue picks each group's densest member (ties to the smallest id);
+* ``so=...``: SO masses and radii (:mod:`._so`) about each halo's centre (the peak, or
+  the centre of mass), over all particles, on the decomposition's ghost layer, which is
+  as wide as the largest SO radius searched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ._config import MAX_HALOS, FoFConfig, KNNConfig
+from ._domain import Decomposition, psum_all
+from ._fof import fof_step, ghost_width
+from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache, row_masses,
+                        trim_padding)
+from ._knn import density_from, ghost_width as knn_width
+from ._knn_api import _check_k, knn_on_plan
+from ._particles import _check_integer
+from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
+from ._retry import run_growing
+from ._so import resolve_radius, search_width, so_on_decomposition
+from ._status import Limit, is_traced
+from . import units
+
+CENTRES = ("com", "peak")
+
+
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """What the catalogue adds to FoF's own fields (static).
+
+    Attributes:
+      so: names of the SO definitions (``"200c"``: fields ``m200c``, ``r200c``).
+      centre: ``"com"`` or ``"peak"`` (the SO centre; ``"peak"`` also fills ``peak``).
+      k: neighbours of the kNN density that locates the peak.
+      so_radius: the largest SO radius searched (resolved from the config).
+    """
+
+    so: tuple[str, ...] = ()
+    centre: str = "com"
+    k: int = 16
+    so_radius: float = 0.0
+
+    def width(self, linking_length: float, total: int, pencils, knn: KNNConfig) -> float:
+        """The ghost layer every part needs."""
+        box = pencils.box_size
+        width = ghost_width(linking_length, box)
+        if self.centre == "peak":
+            width = max(width, knn_width(self.k, total, pencils, knn))
+        if self.so:
+            width = max(width, search_width(self.so_radius, box))
+        return width
+
+
+def peak_density(plan: Plan, k: int, total: int, config: KNNConfig):
+    """``fn(decomposition) -> (density, status)``: kNN density of the owned rows, for the
+    catalogue's density peaks."""
+    knn_plan = plan.with_width(knn_width(k, total, plan.pencils, config))
+
+    def density(decomposition: Decomposition):
+        result, status = knn_on_plan(knn_plan, decomposition, k, config)
+        return peak_densities(result, status, k)
+
+    return density
+
+
+def peak_densities(knn_result, knn_status, k: int):
+    """``(density, status)`` of the owned rows from their kNN result, the status's names
+    apart from FoF's own (both have "z images")."""
+    return (density_from(knn_result["dist"], knn_result["neighbour_mass"], k),
+            knn_status.renamed("peak "))
+
+
+def with_so(plan: Plan, decomposition: Decomposition, catalogue, extras: Extras, densities,
+            config: FoFConfig):
+    """``catalogue`` (this device's rows) with SO masses and radii about its centres.
+
+    Every device's centres are gathered (a psum of disjoint blocks), each is searched by
+    the device whose pencil holds it, and each device keeps the results of its own rows.
+    """
+    pencils = plan.pencils
+    rows = catalogue.id.shape[0]
+    centre = catalogue.peak if extras.centre == "peak" else catalogue.pos
+    mine = pencils.device_index()
+    block = lambda a: psum_all(pencils, jnp.zeros((pencils.num_devices,) + a.shape, a.dtype)
+                               .at[mine].set(a)).reshape((-1,) + a.shape[1:])
+    centres, valid = block(centre), block((catalogue.id >= 0).astype(jnp.int32)) > 0
+    limit = Limit(MAX_HALOS, config.halo_rows(plan.n0))
+    mass, radius, status = so_on_decomposition(plan, decomposition, centres, valid, densities,
+                                               config.so, extras.so_radius, centre_limit=limit)
+    own = lambda a: jax.lax.dynamic_slice_in_dim(a, mine * rows, rows)
+    so = {}
+    for d, name in enumerate(extras.so):
+        so["m" + name], so["r" + name] = own(mass[:, d]), own(radius[:, d])
+    return dataclasses.replace(catalogue, so=so, centre=extras.centre,
+                               status=catalogue.status.merge(status))
+
+
+def halo_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,
+              extras: Extras, densities=None, density=None, total: int = 0,
+              knn: KNNConfig | None = None) -> Step:
+    """FoF with the catalogue's extras as one pipeline step. ``density(decomposition) ->
+    (density, status)`` supplies the peak's densities (default: :func:`peak_density` with
+    ``knn`` and ``total`` particles); ``densities`` (D,) the SO thresholds."""
+    if extras.centre == "peak" and density is None:
+        density = peak_density(plan, extras.k, total, knn or config.knn)
+    fof = fof_step(plan, linking_length, min_members, config,
+                   density if extras.centre == "peak" else None)
+
+    def run(decomposition: Decomposition):
+        out = fof.run(decomposition)
+        if extras.so:
+            out["catalogue"] = with_so(plan, decomposition, out["catalogue"], extras, densities,
+                                       config)
+        return out
+
+    return Step(run, fof.outputs)
+
+
+def so_request(so, omega_m=None, a=1.0):
+    """``(names, densities)`` of an ``so=`` argument: definition names (with ``omega_m``),
+    or a mapping of names to threshold densities. ``densities`` is a list of numbers or
+    a traced array."""
+    if so is None or (not isinstance(so, str) and len(so) == 0):
+        return (), None
+    if isinstance(so, Mapping):
+        names = tuple(str(n) for n in so)
+        return names, [so[n] for n in so]
+    names = (so,) if isinstance(so, str) else tuple(so)
+    if omega_m is None:
+        raise ValueError(f"so={names!r} needs omega_m= (and a=) for the thresholds "
+                         "(jaxpm_halos.units.so_density); or pass so={name: density}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"so={names!r} names a definition twice")
+    return names, [units.so_density(n, omega_m=omega_m, a=a) for n in names]
+
+
+def _check_knn_k(k, total: int) -> int:
+    return _check_k(k, total, True, least=2)
+
+
+def check_centre(centre: str) -> str:
+    if centre not in CENTRES:
+        raise ValueError(f"centre must be one of {CENTRES}, got {centre!r}")
+    return centre
+def _linking_length(problem: Problem, linking_length, b) -> float:
+    if (linking_length is None) == (b is None):
+        raise ValueError("give exactly one of linking_length (a length) or b (in units of the "
+                         "mean particle separation)")
+    l = float(linking_length) if b is None else float(b) * problem.mean_separation
+    if not l > 0 or l != l:
+        raise ValueError(f"the linking length must be positive, got {l}")
+    wx, wy = problem.pencils.widths
+    if ghost_width(l, problem.box_size) > min(wx, wy):
+        raise ValueError(f"linking length {l} is wider than a pencil ({min(wx, wy)}) of the "
+                         f"({problem.pencils.px}, {problem.pencils.py}) mesh; use fewer devices "
+                         "along that axis")
+    if 3 * l > problem.box_size:
+        raise ValueError(f"linking length {l} must be below a third of the box {problem.box_size}")
+    return l
+
+
+@program_cache(32)
+def _fof_program(problem: Problem, in_specs, linking_length: float, min_members: int,
+                 config: FoFConfig, extras: Extras):
+    layout = problem.layout
+    width = extras.width(linking_length, problem.total, problem.pencils, config.knn)
+    plan = plan_for(problem, config.domain, width)
+    if extras.so:
+        in_specs = tuple(in_specs) + (P(),)
+
+    def device(*blocks):
+        densities = None
+        if extras.so:
+            *blocks, densities = blocks
+        steps = {"fof": halo_step(plan, linking_length, min_members, config, extras,
+                                  densities, total=problem.total)}
+        fields, shape = local_fields(problem, *blocks)
+        fields["mass"] = row_masses(problem, fields)
+        valid = local_valid(problem, fields["pos"].shape[0])
+        return on_device(plan, fields, valid, shape, steps)
+
+    def run(*args):
+        out = run_sharded(layout, device, args, in_specs)["fof"]
+        return out["labels"], out["catalogue"]
+
+    return jax.jit(run)
+
+
+def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
+        min_members: int = 20, so=None, omega_m=None, a=1.0, centre: str = "com",
+        k: int = 16, mesh=None, config: FoFConfig = FoFConfig(), grow: bool = True):
+    """Friends-of-friends groups and their catalogue, distributed over the input's mesh.
+
+    Args:
+      pos: positions ``(N, 3)`` (sharded along axis 0 over the mesh axes, or unsharded:
+        then any N, padded inside to a multiple of the device count), a JaxPM-layout grid
+        ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
+        :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`. Integer
+        and half-precision (float16, bfloat16) positions, velocities and masses are
+        computed in float32.
+      box_size: periodic box side, in the unit of ``pos`` (taken from Particles).
+      linking_length: two particles are friends when their minimum-image distance is at
+        most this length.
+      b: alternatively, the linking length in units of the mean separation ``L / N^(1/3)``
+        (``L / nc`` for grids).
+      vel, mass: optional velocities (same shape as ``pos``) and masses (scalar or per
+        particle, finite and >= 0) for the catalogue; taken from Particles when present.
+        Inside ``jit``, particles with a bad mass are excluded and counted like non-finite
+        positions.
+      min_members: smallest group that enters the catalogue (an integer >= 1).
+      so: spherical-overdensity masses and radii to add, about each halo's centre and
+        over all particles (:func:`~jaxpm_halos.spherical_overdensity`): definitions such
+        as ``("200c", "200m", "vir")`` (:func:`~jaxpm_halos.units.so_density` with
+        ``omega_m`` and ``a``; positions in Mpc/h and masses in Msun/h), or a mapping of
+        names to threshold densities in the input's units (``{"200": 200 * rho_mean}``).
+        The catalogue's ``so`` then holds ``m<name>`` and ``r<name>``. The largest radius
+        searched is ``config.so.radius``.
+      omega_m, a: the cosmology and scale factor of the ``so`` definitions.
+      centre: ``"com"`` (the centre of mass) or ``"peak"`` (the member with the highest
+        kNN density of ``k`` neighbours, ties to the smallest id; stored as ``peak``):
+        the centre the SO quantities are measured about.
+      k: neighbours of the density that locates the peak (``config.knn`` sizes it).
+      mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
+      config: buffer sizes (:class:`~jaxpm_halos.FoFConfig`).
+      grow: outside ``jit``, when a buffer overflows, grow it and run again (a few rounds
+        at most, then a :class:`~jaxpm_halos.GrowthWarning` names the config that fitted).
+        ``False`` raises :class:`~jaxpm_halos.CapacityError` instead, naming a setting
+        that fits.
+
+    Returns:
+      ``(labels, catalogue)``. ``labels`` has the input's leading shape and sharding; a
+      particle's label is the smallest id in its group (input index, or lattice index for
+      grids), so labels are identical on every mesh; particles excluded for a non-finite
+      position have label -1. ``catalogue`` is a padded :class:`~jaxpm_halos.Catalogue`.
+      Outside ``jit`` a non-finite position raises
+      :class:`~jaxpm_halos.InvalidInputError`; inside ``jit``, read ``catalogue.status``
+      (it covers every buffer the result depends on), or thread a runtime check with
+      ``labels = catalogue.status.error_if(labels)``.
+    """
+    problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)
+    l = _linking_length(problem, linking_length, b)
+    min_members = _check_integer("min_members", min_members, 1)
+    names, densities = so_request(so, omega_m, a)
+    centre = check_centre(centre)
+    if centre == "peak":
+        k = _check_knn_k(k, problem.total)
+    if names:
+        args = args + (jnp.asarray(densities, args[0].dtype).reshape(-1),)
+
+    def run(cfg):
+        extras = Extras(names, centre, int(k),
+                        resolve_radius(cfg.so, problem.mean_separation, problem.pencils)
+                        if names else 0.0)
+        return _fof_program(problem, in_specs, l, min_members, cfg, extras)(*args)
+
+    if is_traced(args):
+        labels, catalogue = run(config)
+    else:
+        (labels, catalogue), _ = run_growing(run, config, lambda out: out[1].status.failure(),
+                                                  grow=grow)
+    return trim_padding(problem, labels), catalogue
+
+
