@@ -3,7 +3,8 @@
 Run it with::
 
     python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20] [--snapshots 0.5,1.0]
-        [--mesh 2,4] [--pm-factor 2] [--b 0.2] [--min-members 20] [--k 16] [--out halos_out]
+        [--mesh 2,4] [--pm-factor 2] [--m200m] [--centre peak] [--b 0.2] [--min-members 20]
+        [--k 16] [--out halos_out]
 
 On a machine with only a CPU, the run is spread over 8 XLA host devices (a ``(2, 4)``
 mesh) unless ``XLA_FLAGS`` already chooses a device count; otherwise it uses all local
@@ -20,7 +21,8 @@ is run again with the analyses switched off by a traced flag (``lax.cond``), and
 snapshot with them on at that snapshot only (``--timing``). It writes one HDF5 catalogue
 per snapshot (``halos_a1.0000.h5``, see :mod:`jaxpm_halos.io`), ``mass_function.png``
 (FoF masses against the Watson et al. 2013 FoF fit and, with ``--m200m``, beside them
-the spherical-overdensity M200m about the FoF centres of mass against Tinker et al. 2008) and
+the in-situ spherical-overdensity M200m of the same haloes, about their density peaks or
+centres of mass (``--centre``), against Tinker et al. 2008) and
 ``density_slice.png`` to ``--out``, and prints the counts above 100 particles against
 the fits.
 
@@ -552,9 +554,12 @@ def main(argv=None) -> int:
                              "has (pm-factor * nc)^3 cells (default %(default)s; 1 is JaxPM's "
                              "own displacement mode, >1 the demo's refined_pm_ode)")
     parser.add_argument("--m200m", action="store_true",
-                        help="after the run, measure M200m about the FoF centres of mass "
-                             "(jaxpm_halos.spherical_overdensity on the final state; ~30 s to "
-                             "compile on a CPU) and plot it against Tinker et al. 2008")
+                        help="also measure the spherical-overdensity M200m of every FoF halo "
+                             "in situ (InSitu(so=('200m',))) and plot it against Tinker et al. "
+                             "2008 beside the FoF masses")
+    parser.add_argument("--centre", choices=("peak", "com"), default="peak",
+                        help="SO centre with --m200m: the member with the highest kNN density "
+                             "(peak) or the centre of mass (com) (default peak)")
     parser.add_argument("--b", type=float, default=0.2,
                         help="FoF linking length in mean particle separations (default 0.2)")
     parser.add_argument("--min-members", type=int, default=20,
@@ -608,7 +613,9 @@ def main(argv=None) -> int:
     mass = units.particle_mass(omega_m, args.box, args.nc)
     insitu = InSitu(box_size=args.box, analyses=analyses, b=args.b, min_members=args.min_members,
                     k=args.k, omega_m=omega_m, overdensity=True,
-                    paint_absolute_pos=pm_nc != args.nc, pm_nc=pm_nc)
+                    paint_absolute_pos=pm_nc != args.nc, pm_nc=pm_nc,
+                    so=("200m",) if args.m200m else (),
+                    centre=args.centre if args.m200m else "com")
     lead = jax.process_index() == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if lead else (lambda *a, **k: None)
     say(f"jaxpm_halos demo: {args.nc}^3 particles ({mass:.3g} Msun/h each), box {args.box:g} "
@@ -673,9 +680,7 @@ def main(argv=None) -> int:
     plots = []
     particles = from_jaxpm(result.state, box_size=args.box, mass=mass,
                            paint_absolute_pos=result.paint_absolute_pos, pm_nc=result.pm_nc)
-    so_mass = None
-    if args.m200m and catalogues[-1] is not None and len(catalogues[-1]["id"]):
-        so_mass = _m200m(particles, catalogues[-1]["pos"], omega_m, snapshots[-1], say)
+    so_mass = catalogues[-1].get("m200m") if catalogues[-1] is not None else None
     if lead and catalogues[-1] is not None:
         from .plots import plot_density_slice, plot_mass_function, ratio_above
 
@@ -713,26 +718,6 @@ def main(argv=None) -> int:
         print(f"wrote {', '.join(os.path.join(args.out, f) for f in files + [os.path.basename(p) for p in plots])}")
         print(f"total wall time {time.perf_counter() - t_start:.1f} s")
     return 0
-
-
-def _m200m(particles, centres, omega_m, a, say):
-    """M200m (Msun/h) about ``centres`` (the FoF centres of mass, Mpc/h) from the
-    final state, with :func:`jaxpm_halos.spherical_overdensity` (exact, over all particles,
-    distributed like the state). NaN where a profile does not fall below 200 times the mean
-    density (None if that function is absent)."""
-    import numpy as np
-
-    try:
-        from . import spherical_overdensity, units
-    except ImportError:
-        return None
-    density = units.so_density("200m", omega_m=omega_m, a=a)
-    t = time.perf_counter()
-    _, m200 = spherical_overdensity(particles, np.asarray(centres), density=density)
-    m200 = _host(m200).astype(np.float64)
-    say(f"M200m about the {len(m200)} FoF centres of mass at a = {a:g}: "
-        f"{time.perf_counter() - t:.1f} s (after the run, on the final state)")
-    return m200
 
 
 def _print_table(rows, t_off, steps, t_on, timing, k):
