@@ -216,8 +216,17 @@ def _bucket_shift(columns: int, rows: int) -> int:
     return shift
 
 
-def sort_columns(lengths, min_side: float, local_pos, origin, valid) -> Columns:
-    """Sort rows into x-y columns of side >= ``min_side`` covering ``lengths`` (x, y)."""
+def z_order(local_pos, valid):
+    """Rows sorted by z (invalid rows last): the first of :func:`sort_columns`' two sorts,
+    the same for every column size."""
+    z = jnp.where(valid, local_pos[:, 2], jnp.inf)
+    bits = lax.bitcast_convert_type(z, int32)  # int32 bits that order like the floats
+    return sort_rows(jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits))[1]
+
+
+def sort_columns(lengths, min_side: float, local_pos, origin, valid, by_z=None) -> Columns:
+    """Sort rows into x-y columns of side >= ``min_side`` covering ``lengths`` (x, y).
+    ``by_z``: the rows' :func:`z_order`, when already known."""
     grid = CellGrid.covering((lengths[0], lengths[1], 0.0), min_side)
     nx, ny, _ = grid.shape
     side = jnp.asarray(grid.side[:2], local_pos.dtype)
@@ -226,10 +235,9 @@ def sort_columns(lengths, min_side: float, local_pos, origin, valid) -> Columns:
     columns = nx * ny
     column = jnp.where(valid, c[:, 0] * ny + c[:, 1], columns)
     z = jnp.where(valid, local_pos[:, 2], jnp.inf)
-    # By column, then z: two stable single-key sorts (z first, as int32 bits that order
-    # like the floats).
-    bits = lax.bitcast_convert_type(z, int32)
-    _, by_z = sort_rows(jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits))
+    # By column, then z: two stable single-key sorts, z first.
+    if by_z is None:
+        by_z = z_order(local_pos, valid)
     column, at = sort_rows(column[by_z])
     order = by_z[at]
     z = z[order]

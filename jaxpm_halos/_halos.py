@@ -29,7 +29,7 @@ from ._knn_api import _check_k, knn_on_plan
 from ._particles import _check_integer
 from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
-from ._so import resolve_radius, search_width, so_on_decomposition
+from ._so import check_densities, resolve_radius, search_width, so_on_decomposition
 from ._status import Limit, is_traced
 from . import units
 
@@ -108,13 +108,12 @@ def with_so(plan: Plan, decomposition: Decomposition, catalogue, extras: Extras,
 
 
 def halo_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,
-              extras: Extras, densities=None, density=None, total: int = 0,
-              knn: KNNConfig | None = None) -> Step:
+              extras: Extras, densities=None, density=None, total: int = 0) -> Step:
     """FoF with the catalogue's extras as one pipeline step. ``density(decomposition) ->
     (density, status)`` supplies the peak's densities (default: :func:`peak_density` with
-    ``knn`` and ``total`` particles); ``densities`` (D,) the SO thresholds."""
+    ``config.knn`` and ``total`` particles); ``densities`` (D,) the SO thresholds."""
     if extras.centre == "peak" and density is None:
-        density = peak_density(plan, extras.k, total, knn or config.knn)
+        density = peak_density(plan, extras.k, total, config.knn)
     fof = fof_step(plan, linking_length, min_members, config,
                    density if extras.centre == "peak" else None)
 
@@ -257,7 +256,7 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     if centre == "peak":
         k = _check_knn_k(k, problem.total)
     if names:
-        args = args + (jnp.asarray(densities, args[0].dtype).reshape(-1),)
+        args = args + (check_densities(densities)[0].astype(args[0].dtype),)
 
     def run(cfg):
         extras = Extras(names, centre, int(k),

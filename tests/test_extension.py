@@ -512,3 +512,31 @@ def test_an_insitu_config_nested_in_fof_is_refused_not_ignored():
     with pytest.raises(ValueError, match=r"pass domain=DomainConfig\(ghost_factor=0.5\)"):
         InSitu(box_size=32.0, fof=jaxpm_halos.FoFConfig(
             domain=jaxpm_halos.DomainConfig(ghost_factor=0.5)))
+    with pytest.raises(ValueError, match=r"pass domain=DomainConfig\(image_factor=0.5\)"):
+        InSitu(box_size=32.0, fof=jaxpm_halos.FoFConfig(so=jaxpm_halos.SOConfig(
+            domain=jaxpm_halos.DomainConfig(image_factor=0.5))))
+    with pytest.raises(ValueError, match=r"pass knn=KNNConfig\(batch_size=8\)"):
+        InSitu(box_size=32.0, fof=jaxpm_halos.FoFConfig(knn=jaxpm_halos.KNNConfig(batch_size=8)))
+
+
+def test_so_settings_are_checked_and_an_so_overflow_names_insitu_fof():
+    with pytest.raises(ValueError, match="omega_m"):
+        InSitu(box_size=32.0, so=("200c",))
+    with pytest.raises(ValueError, match="unknown SO definition"):
+        InSitu(box_size=32.0, so=("200x",), omega_m=0.3)
+    with pytest.raises(ValueError, match="centre"):
+        InSitu(box_size=32.0, centre="potential")
+    with pytest.raises(ValueError, match="include 'fof'"):
+        InSitu(box_size=32.0, analyses=("knn_density",), centre="peak")
+    # An unresolved profile is spelled as the InSitu argument that holds SOConfig.
+    from jaxpm_halos._so import radius_limit
+    from jaxpm_halos.extension import _error
+
+    limit = radius_limit(4.0, 32.0)
+    failure = jaxpm_halos.Failure(jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows,
+                                  "so radius", limit, 2 * limit.rows)
+    insitu = InSitu(box_size=32.0, omega_m=0.3, so=("vir",), fof=jaxpm_halos.FoFConfig(
+        max_halos=64, so=jaxpm_halos.SOConfig(radius=4.0)))
+    message = str(_error(failure, insitu))
+    assert "InSitu(fof=FoFConfig(max_halos=64, so=SOConfig(radius=8.0" in message
+    assert str(_error(failure, None)).count("InSitu(fof=FoFConfig(so=SOConfig(radius=8.0") == 1
