@@ -3,13 +3,15 @@
 Run it with::
 
     python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20] [--snapshots 0.5,1.0]
-        [--mesh 2,4] [--b 0.2] [--min-members 20] [--k 16] [--out halos_out]
+        [--mesh 2,4] [--pm-factor 2] [--m200m] [--centre peak] [--b 0.2] [--min-members 20]
+        [--k 16] [--out halos_out]
 
 On a machine with only a CPU, the run is spread over 8 XLA host devices (a ``(2, 4)``
 mesh) unless ``XLA_FLAGS`` already chooses a device count; otherwise it uses all local
 devices. The simulation follows JaxPM's distributed recipe: a linear field, 2LPT to
 ``a = 0.1``, then ``--steps`` PM steps with diffrax's ``LeapfrogMidpoint`` (with diffrax's
-text progress meter) to the last snapshot. At each snapshot, inside the jitted solve
+text progress meter) to the last snapshot, on a PM grid of ``--pm-factor`` cells per
+particle spacing (:func:`refined_pm_ode` when above 1). At each snapshot, inside the jitted solve
 (``diffrax.SaveAt(ts=snapshots, fn=...)``), :class:`jaxpm_halos.extension.InSitu` runs FoF
 (``--b``, ``--min-members``) and the kNN density (``--k``) on the sharded state.
 
@@ -18,7 +20,11 @@ median kNN density, and the time of the analyses against one PM step: the compil
 is run again with the analyses switched off by a traced flag (``lax.cond``), and once per
 snapshot with them on at that snapshot only (``--timing``). It writes one HDF5 catalogue
 per snapshot (``halos_a1.0000.h5``, see :mod:`jaxpm_halos.io`), ``mass_function.png``
-(against the Watson et al. 2013 FoF fit) and ``density_slice.png`` to ``--out``.
+(FoF masses against the Watson et al. 2013 FoF fit and, with ``--m200m``, beside them
+the in-situ spherical-overdensity M200m of the same haloes, about their density peaks or
+centres of mass (``--centre``), against Tinker et al. 2008) and
+``density_slice.png`` to ``--out``, and prints the counts above 100 particles against
+the fits.
 
 :func:`run_simulation` is the reusable part: in-situ analyses plug in as ``saveat_fn``,
 which diffrax evaluates inside the jitted solve at each requested scale factor.
@@ -40,6 +46,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 HOST_DEVICES = 8
+PM_FACTOR = 2  # the demo's default --pm-factor (README: Demo)
 
 
 def use_host_devices(n: int = HOST_DEVICES) -> None:
@@ -59,8 +66,10 @@ class SimulationResult:
     """What :func:`run_simulation` returns.
 
     Attributes:
-      state: the final diffrax state at ``a = a_final``: ``(2, nc, nc, nc, 3)``, displacement
-        (grid cells) and momentum (grid units), sharded over the mesh.
+      state: the final diffrax state at ``a = a_final``: ``(2, nc, nc, nc, 3)``, sharded over
+        the mesh: displacement (lattice cells) and momentum (lattice units), or with
+        ``paint_absolute_pos`` absolute position and momentum in PM cells (``pm_nc`` per
+        side; see :func:`run_simulation`).
       snapshots: the scale factors at which ``saved`` was taken (may be empty).
       saved: ``saveat_fn``'s outputs stacked over ``snapshots`` (the states themselves if
         ``saveat_fn`` is None), or None if no snapshots were requested.
@@ -68,7 +77,9 @@ class SimulationResult:
       mesh: the device mesh (None for a single device).
       sharding: the ``NamedSharding`` of the ``(nc, nc, nc, ...)`` grids, or None.
       box_size, nc, omega_m: the run's parameters (``omega_m = Omega_c + Omega_b``).
-        halo_size: JaxPM's painting halo, in cells.
+      halo_size: the painting halo, in PM cells.
+      pm_nc, paint_absolute_pos: the PM grid's cells per side and the state's mode; pass
+        both to :class:`jaxpm_halos.InSitu` and :func:`jaxpm_halos.from_jaxpm`.
       compile_s, run_s: seconds spent compiling and running the jitted simulation.
       rerun: ``rerun(saveat_inputs) -> (state, saved, seconds)`` runs the compiled
         simulation again (same seed and initial field) with other ``saveat_inputs``.
@@ -90,6 +101,8 @@ class SimulationResult:
     run_s: float
     rerun: Callable = dataclasses.field(default=None, repr=False)
     compiled: Any = dataclasses.field(default=None, repr=False)
+    pm_nc: int | None = None
+    paint_absolute_pos: bool = False
 
 
 def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] = (), mesh=None,
@@ -97,7 +110,8 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
                    a_final: float = 1.0, omega_c: float = 0.25, sigma8: float = 0.8,
                    lpt_order: int = 2, halo_size: int | None = None,
                    progress: bool = False, initial_field=None,
-                   saveat_inputs=None) -> SimulationResult:
+                   saveat_inputs=None, pm_nc: int | None = None,
+                   paint_absolute_pos: bool | None = None) -> SimulationResult:
     """Run a JaxPM particle-mesh simulation of ``nc**3`` particles in a box of side ``box`` Mpc/h.
 
     Initial conditions: a Gaussian linear field for ``jax_cosmo.Planck15(Omega_c=omega_c,
@@ -105,8 +119,20 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
     integration takes ``steps`` equal steps in ``a`` up to ``a_final`` with diffrax's
     ``LeapfrogMidpoint``. Everything runs in one ``jit``.
 
+    The PM grid: by default it is the particle lattice (``pm_nc = nc``) and the state holds
+    JaxPM's displacements (``make_diffrax_ode(paint_absolute_pos=False)``, distributed).
+    With ``pm_nc`` other than ``nc`` (e.g. ``2 * nc``: 8 PM cells per particle) the state
+    holds absolute positions and momenta in PM cells, and the forces come from
+    :func:`refined_pm_ode`, this module's PM step on the finer grid (JaxPM 0.1.6 cannot do
+    it: its absolute-position ``cic_paint``/``cic_read`` reshape the particles to the mesh
+    shape, so ``pm_nc != nc`` fails with a ``TypeError``, and on a device mesh they index
+    the local block with global positions: 5 cells off a single-device run after 5 steps
+    at 16^3). The initial conditions are the same in both cases: the linear field on the
+    particle lattice and JaxPM's 2LPT there, converted to PM cells (``x = (pm_nc / nc)
+    (q + dx)``, ``p_pm = (pm_nc / nc) p``), so a finer mesh changes only the forces.
+
     Args:
-      nc: particles (and grid cells) per side.
+      nc: particles per side.
       box: box side in Mpc/h.
       steps: number of PM steps.
       snapshots: scale factors in ``[a_init, a_final]`` at which to evaluate ``saveat_fn``.
@@ -116,7 +142,7 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
         ``y`` is the stacked ``(2, nc, nc, nc, 3)`` state; e.g.
         ``lambda a, y, cosmo: jaxpm_halos.from_jaxpm(y, box_size=box).pos``. None saves ``y``.
       seed: seed of the initial conditions.
-      halo_size: JaxPM's painting halo in cells (see :func:`default_halo_size`).
+      halo_size: the painting halo in PM cells (see :func:`default_halo_size`).
       progress: show diffrax's text progress meter during the solve.
       initial_field: optional ``(nc, nc, nc)`` linear density field to start from instead
         of drawing one from ``seed``. JaxPM draws different random numbers on different
@@ -125,6 +151,16 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
         to ``saveat_fn`` as a fourth argument, ``saveat_fn(a, y, cosmo, saveat_inputs)``.
         :meth:`SimulationResult.rerun` runs the same compiled program again with other
         values (e.g. flags switching analyses on and off) without recompiling.
+      pm_nc: PM grid cells per side (default ``nc``); divisible by the mesh shape.
+      paint_absolute_pos: the state's mode. Default: absolute positions exactly when
+        ``pm_nc != nc``. ``True`` with ``pm_nc == nc`` runs JaxPM's own absolute-position
+        ODE (``make_diffrax_ode(paint_absolute_pos=True)``, ``lpt(..., particles)``) on one
+        device, and :func:`refined_pm_ode` on a device mesh. ``False`` needs ``pm_nc == nc``.
+
+    Raises:
+      ValueError: on a mesh that is not 2D, ``nc`` or ``pm_nc`` not divisible by the mesh
+        shape, ``pm_nc`` not a positive integer or given with ``paint_absolute_pos=False``,
+        snapshots outside ``[a_init, a_final]``, a bad ``initial_field`` shape.
     """
     import diffrax
     import jax
@@ -132,22 +168,32 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
     import jax_cosmo as jc
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxpm.kernels import interpolate_power_spectrum
+    from jaxpm.distributed import uniform_particles
     from jaxpm.pm import linear_field, lpt, make_diffrax_ode
 
+    from ._jaxpm import resolve_pm_nc
+
     mesh_shape = (nc, nc, nc)
+    if paint_absolute_pos is None:
+        paint_absolute_pos = pm_nc is not None and pm_nc != nc
+    pm_nc = resolve_pm_nc(nc, pm_nc, paint_absolute_pos)
     sharding = None
     if mesh is not None and mesh.size > 1:
         if len(mesh.axis_names) != 2:
             raise ValueError(f"JaxPM needs a 2D device mesh, got axes {mesh.axis_names}")
         px, py = mesh.devices.shape
-        if nc % px or nc % py:
-            raise ValueError(f"nc = {nc} is not divisible by the mesh shape {(px, py)}")
+        for name, n in (("nc", nc), ("pm_nc", pm_nc)):
+            if n % px or n % py:
+                raise ValueError(f"{name} = {n} is not divisible by the mesh shape {(px, py)}")
         sharding = NamedSharding(mesh, P(*mesh.axis_names))
         block = min(nc // px if px > 1 else nc, nc // py if py > 1 else nc)
     else:
         mesh, block = None, nc
+    lpt_halo = default_halo_size(nc, box, block)
     if halo_size is None:
-        halo_size = default_halo_size(nc, box, block)
+        halo_size = default_halo_size(pm_nc, box, block * pm_nc // nc)
+    engine = ("jaxpm" if not paint_absolute_pos else
+              "jaxpm_absolute" if pm_nc == nc and sharding is None else "refined")
     snapshots = tuple(float(a) for a in snapshots)
     if any(not a_init <= a <= a_final for a in snapshots):
         raise ValueError(f"snapshots {snapshots} must lie in [{a_init}, {a_final}]")
@@ -166,10 +212,26 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
             field = initial_field if sharding is None else jax.lax.with_sharding_constraint(
                 initial_field, sharding)
         cosmo = jc.Planck15(Omega_c=omega_c, sigma8=sigma8)
-        dx, p, _ = lpt(cosmo, field, a=a_init, order=lpt_order, halo_size=halo_size,
-                       sharding=sharding)
-        ode = diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=False,
-                                               halo_size=halo_size, sharding=sharding))
+        if engine == "jaxpm":
+            dx, p, _ = lpt(cosmo, field, a=a_init, order=lpt_order, halo_size=halo_size,
+                           sharding=sharding)
+            y0 = jnp.stack([dx, p], axis=0)
+            ode = diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=False,
+                                                   halo_size=halo_size, sharding=sharding))
+        elif engine == "jaxpm_absolute":
+            q = uniform_particles(mesh_shape).astype(field.dtype)
+            dx, p, _ = lpt(cosmo, field, q, a=a_init, order=lpt_order)
+            y0 = jnp.stack([q + dx, p], axis=0)
+            ode = diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=True))
+        else:
+            # 2LPT on the particle lattice (JaxPM's displacement mode), then PM cells
+            dx, p, _ = lpt(cosmo, field, a=a_init, order=lpt_order, halo_size=lpt_halo,
+                           sharding=sharding)
+            q = uniform_particles(mesh_shape, sharding).astype(dx.dtype)
+            factor = jnp.asarray(pm_nc / nc, dx.dtype)
+            y0 = jnp.stack([factor * (q + dx), factor * p], axis=0)
+            ode = diffrax.ODETerm(refined_pm_ode(nc, pm_nc, halo_size=halo_size,
+                                                 sharding=sharding))
         subs = [diffrax.SubSaveAt(t1=True)]
         if snapshots:
             fn = saveat_fn or _identity
@@ -178,7 +240,7 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
             subs.append(diffrax.SubSaveAt(ts=jnp.asarray(snapshots), fn=_pinned(fn)))
         sol = diffrax.diffeqsolve(
             ode, diffrax.LeapfrogMidpoint(), t0=a_init, t1=a_final, dt0=None,
-            y0=jnp.stack([dx, p], axis=0), args=cosmo, saveat=diffrax.SaveAt(subs=subs),
+            y0=y0, args=cosmo, saveat=diffrax.SaveAt(subs=subs),
             stepsize_controller=diffrax.StepTo(ts=jnp.linspace(a_init, a_final, steps + 1)),
             max_steps=steps,
             # throw=True would route the whole solution through an equinox error check, a
@@ -224,7 +286,129 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
 
     final, saved, run_s = rerun()
     return SimulationResult(final, snapshots, saved, a_final, mesh, sharding, float(box), nc,
-                            omega_m, halo_size, compile_s, run_s, rerun, compiled)
+                            omega_m, halo_size, compile_s, run_s, rerun, compiled,
+                            pm_nc=pm_nc, paint_absolute_pos=bool(paint_absolute_pos))
+
+
+def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
+    """``f(a, y, cosmo)`` for ``diffrax.ODETerm``: JaxPM's PM equations on a grid of
+    ``pm_nc**3`` cells for ``nc**3`` particles whose state holds absolute positions.
+
+    The state ``y`` is ``(2, nc, nc, nc, 3)``: ``y[0]`` the absolute position ``x`` in PM
+    cells (unwrapped), ``y[1]`` the momentum ``p`` in PM cells, at the array index of each
+    particle's lattice point and sharded like JaxPM's state (``P("x", "y")`` per grid). The
+    equations are those of ``jaxpm.pm.make_diffrax_ode``::
+
+        dx/da = p / (a^3 E(a)),     dp/da = 1.5 Omega_m F(x) / (a^2 E(a)),
+        F = -grad invlaplace(delta),
+
+    with ``delta + 1`` the CIC density of the particles on the PM grid, each weighing
+    ``(pm_nc / nc)^3`` so that its mean is 1, and JaxPM's Fourier kernels
+    (``invlaplace_kernel``, ``gradient_kernel``, ``longrange_kernel`` with ``r_split=0``)
+    and distributed FFT (``fft3d``). In PM-cell units these equations have the same form
+    on every grid (a length unit ``l`` rescales ``x``, ``p`` and the potential by ``l``,
+    ``l`` and ``l^2``), which is why JaxPM's lattice-cell code carries over unchanged.
+
+    Painting and reading follow JaxPM's ``cic_paint_dx``/``cic_read_dx`` on a device mesh:
+    each device paints its particles into its PM block padded by ``halo_size`` cells along
+    the split axes, JaxPM's ``halo_exchange`` and ``slice_unpad`` (outside ``shard_map``)
+    add the padding into the neighbours, and reading pads by ``halo_size // 2``. Mass
+    farther than ``halo_size / 2`` PM cells from a device's block is lost (and forces
+    there read as 0): see :func:`default_halo_size`. Unsplit axes wrap periodically.
+
+    At ``pm_nc == nc`` this is JaxPM's ODE: on one device its derivative equals
+    ``make_diffrax_ode(paint_absolute_pos=False)``'s on the same particles to 8e-7 of the
+    largest force, and at ``pm_nc = 2 nc`` a (2, 4) mesh follows the single-device run
+    (``tests/test_pm_mesh.py``). In 32 Mpc/h at 16^3 on (2, 4), where particles strayed
+    13 Mpc/h from their blocks and the halo reached 8 Mpc/h, the run ended 1.3 PM cells
+    from the single-device one: the halo must cover the strays.
+    """
+    import jax
+    import jax.numpy as jnp
+    import jax_cosmo as jc
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxpm.distributed import (autoshmap, fft3d, get_halo_size, halo_exchange, ifft3d,
+                                   slice_pad, slice_unpad)
+    from jaxpm.kernels import fftk, gradient_kernel, invlaplace_kernel, longrange_kernel
+
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    spec = sharding.spec if mesh is not None else P()
+    pdims = mesh.devices.shape if mesh is not None else (1, 1)
+    if pm_nc % pdims[0] or pm_nc % pdims[1]:
+        raise ValueError(f"pm_nc = {pm_nc} is not divisible by the mesh shape {pdims}")
+    pad, extents = get_halo_size(halo_size, sharding)
+    read_pad = jax.tree.map(lambda h: h // 2, pad)
+    block = (pm_nc // pdims[0], pm_nc // pdims[1], pm_nc)
+    weight = (pm_nc / nc) ** 3
+
+    def corners(pos, halo):
+        """CIC corners of this device's particles: per corner, the index arrays into the
+        block padded by ``halo`` along the split axes (out-of-range ones set to the axis
+        length, to be dropped) and the weights (0 where out of range)."""
+        origin = []
+        for axis in range(2):
+            if pdims[axis] > 1:
+                origin.append(jax.lax.axis_index(spec[axis]) * block[axis] - halo[axis][0])
+            else:
+                origin.append(0)
+        origin.append(0)
+        shape = tuple(block[d] + 2 * halo[d][0] for d in range(3))
+        rel = pos.reshape(-1, 3) - jnp.stack([jnp.asarray(o, pos.dtype) for o in origin])
+        base = jnp.floor(rel)
+        frac = rel - base
+        base = base.astype(jnp.int32)
+        for c in range(8):
+            offset = ((c >> 2) & 1, (c >> 1) & 1, c & 1)
+            idx, w = [], jnp.ones(rel.shape[0], pos.dtype)
+            for d in range(3):
+                i = base[:, d] + offset[d]
+                w = w * (frac[:, d] if offset[d] else 1 - frac[:, d])
+                if d == 2 or pdims[d] == 1:
+                    i = jnp.mod(i, shape[d])  # this axis holds the whole periodic grid
+                else:
+                    ok = (i >= 0) & (i < shape[d])
+                    w = jnp.where(ok, w, 0)
+                    i = jnp.where(ok, i, shape[d])
+                idx.append(i)
+            yield tuple(idx), w, shape
+
+    def local_paint(pos):
+        grid = None
+        for idx, w, shape in corners(pos, pad):
+            if grid is None:
+                grid = jnp.zeros(shape, pos.dtype)
+            grid = grid.at[idx].add(w * weight, mode="drop")
+        return grid
+
+    def local_read(grid, pos):
+        out = jnp.zeros(pos.shape[:-1], pos.dtype).reshape(-1)
+        for idx, w, _ in corners(pos, read_pad):
+            out = out + w * grid.at[idx].get(mode="fill", fill_value=0)
+        return out.reshape(pos.shape[:-1])
+
+    def paint(pos):
+        grid = autoshmap(local_paint, gpu_mesh=mesh, in_specs=(spec,), out_specs=spec)(pos)
+        grid = halo_exchange(grid, halo_extents=extents, halo_periods=(True, True))
+        return slice_unpad(grid, pad, sharding)
+
+    def read(grid, pos):
+        grid = slice_pad(grid, read_pad, sharding)
+        grid = halo_exchange(grid, halo_extents=extents, halo_periods=(True, True))
+        return autoshmap(local_read, gpu_mesh=mesh, in_specs=(spec, spec),
+                         out_specs=spec)(grid, pos)
+
+    def ode(a, state, cosmo):
+        pos, mom = state[0], state[1]
+        delta_k = fft3d(paint(pos))
+        kvec = fftk(delta_k)
+        pot_k = delta_k * invlaplace_kernel(kvec) * longrange_kernel(kvec, r_split=0)
+        forces = jnp.stack([read(ifft3d(-gradient_kernel(kvec, i) * pot_k), pos)
+                            for i in range(3)], axis=-1) * 1.5 * cosmo.Omega_m
+        e = jnp.sqrt(jc.background.Esqr(cosmo, a))
+        return jnp.stack([mom / (a ** 3 * e), forces / (a ** 2 * e)])
+
+    ode.paint = paint  # for tests: the PM density (mean 1)
+    return ode
 
 
 def default_halo_size(nc: int, box: float, block: int, stray_mpc: float = 20.0) -> int:
@@ -369,6 +553,17 @@ def main(argv=None) -> int:
                              "(default 0.5,1.0)")
     parser.add_argument("--mesh", default=None,
                         help="device mesh 'px,py' (default: all devices, e.g. 2,4 for 8 CPU devices)")
+    parser.add_argument("--pm-factor", type=int, default=PM_FACTOR,
+                        help="PM grid cells per particle spacing along each axis: the PM grid "
+                             "has (pm-factor * nc)^3 cells (default %(default)s; 1 is JaxPM's "
+                             "own displacement mode, >1 the demo's refined_pm_ode)")
+    parser.add_argument("--m200m", action="store_true",
+                        help="also measure the spherical-overdensity M200m of every FoF halo "
+                             "in situ (InSitu(so=('200m',))) and plot it against Tinker et al. "
+                             "2008 beside the FoF masses")
+    parser.add_argument("--centre", choices=("peak", "com"), default="peak",
+                        help="SO centre with --m200m: the member with the highest kNN density "
+                             "(peak) or the centre of mass (com) (default peak)")
     parser.add_argument("--b", type=float, default=0.2,
                         help="FoF linking length in mean particle separations (default 0.2)")
     parser.add_argument("--min-members", type=int, default=20,
@@ -390,6 +585,9 @@ def main(argv=None) -> int:
         parser.error(f"--snapshots must be comma-separated scale factors, got {args.snapshots!r}")
     if not snapshots or snapshots[0] <= 0.1 or snapshots[-1] > 1.0:
         parser.error(f"--snapshots must lie in (0.1, 1], got {args.snapshots}")
+    if args.pm_factor < 1:
+        parser.error(f"--pm-factor must be a positive integer, got {args.pm_factor}")
+    pm_nc = args.pm_factor * args.nc
 
     t_start = time.perf_counter()
     use_host_devices()
@@ -418,20 +616,25 @@ def main(argv=None) -> int:
     omega_m = cosmology["Omega_c"] + cosmology["Omega_b"]
     mass = units.particle_mass(omega_m, args.box, args.nc)
     insitu = InSitu(box_size=args.box, analyses=analyses, b=args.b, min_members=args.min_members,
-                    k=args.k, omega_m=omega_m, overdensity=True)
+                    k=args.k, omega_m=omega_m, overdensity=True,
+                    paint_absolute_pos=pm_nc != args.nc, pm_nc=pm_nc,
+                    so=("200m",) if args.m200m else (),
+                    centre=args.centre if args.m200m else "com")
     lead = jax.process_index() == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if lead else (lambda *a, **k: None)
     say(f"jaxpm_halos demo: {args.nc}^3 particles ({mass:.3g} Msun/h each), box {args.box:g} "
         f"Mpc/h, {args.steps} PM steps to a = {snapshots[-1]:g}, in-situ {list(analyses)} at "
-        f"a = {snapshots} (b = {args.b:g}, >= {args.min_members} members, k = {args.k}), mesh "
-        f"{dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
+        f"a = {snapshots} (b = {args.b:g}, >= {args.min_members} members, k = {args.k}), PM grid "
+        f"{pm_nc}^3 ({args.box / pm_nc:g} Mpc/h cells"
+        + (", JaxPM displacement mode" if pm_nc == args.nc else ", absolute positions") +
+        f"), mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
 
     n_snap = len(snapshots)
     say("compiling the solve with the analyses inside (diffrax SaveAt fn) ...")
     result = run_simulation(args.nc, args.box, args.steps, snapshots, mesh=mesh,
                             saveat_fn=switchable_saveat_fn(insitu, snapshots), seed=args.seed,
                             a_final=snapshots[-1], progress=True,
-                            saveat_inputs=jnp.ones(n_snap, bool))
+                            saveat_inputs=jnp.ones(n_snap, bool), pm_nc=pm_nc)
     say(f"compiled in {result.compile_s:.1f} s; solve with in-situ analyses: {result.run_s:.2f} s")
     saved = result.saved
     check(saved)  # raises, naming the knob, if any buffer overflowed at any snapshot
@@ -468,7 +671,7 @@ def main(argv=None) -> int:
                             linking_length=insitu.b * args.box / args.nc, b=insitu.b,
                             min_members=insitu.min_members,
                             attrs=dict(particle_mass=mass, steps=args.steps, seed=args.seed,
-                                       mesh=np.asarray(shape)))
+                                       mesh=np.asarray(shape), pm_nc=pm_nc))
             row["halos"] = len(cat["id"])
             row["largest"] = np.sort(cat["mass"])[::-1][:3].tolist()
         if "knn_density" in saved:
@@ -479,18 +682,34 @@ def main(argv=None) -> int:
     if lead:
         _print_table(rows, t_off, args.steps, result.run_s, args.timing, args.k)
     plots = []
+    particles = from_jaxpm(result.state, box_size=args.box, mass=mass,
+                           paint_absolute_pos=result.paint_absolute_pos, pm_nc=result.pm_nc)
+    so_mass = catalogues[-1].get("m200m") if catalogues[-1] is not None else None
     if lead and catalogues[-1] is not None:
-        from .plots import plot_density_slice, plot_mass_function
+        from .plots import plot_density_slice, plot_mass_function, ratio_above
 
         final = catalogues[-1]
         a = snapshots[-1]
         mf = os.path.join(args.out, "mass_function.png")
         plot_mass_function(mf, final["mass"], box_size=args.box, cosmology=cosmology, a=a,
-                           particle_mass=mass, min_members=args.min_members,
-                           title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, {args.steps} "
-                                 f"steps, a = {a:g}: in-situ FoF b = {args.b:g}")
+                           particle_mass=mass, min_members=args.min_members, so_mass=so_mass,
+                           title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, PM grid "
+                                 f"{pm_nc}$^3$, {args.steps} steps, a = {a:g}: in-situ FoF "
+                                 f"b = {args.b:g}")
         plots.append(mf)
-    pos = _host(from_jaxpm(result.state, box_size=args.box).pos)
+        print(f"\nhaloes at a = {a:g} against the fits (counts / expected, Poisson errors; "
+              f"100 particles = {100 * mass:.3g} Msun/h):")
+        for label, masses, fit in (("FoF   / Watson 2013", final["mass"], "watson13"),
+                                   ("M200m / Tinker 2008", so_mass, "tinker08")):
+            if masses is None:
+                continue
+            for lo, hi in ((args.min_members, 100), (100, None)):
+                r = ratio_above(masses, box_size=args.box, cosmology=cosmology, a=a, fit=fit,
+                                min_mass=lo * mass, max_mass=None if hi is None else hi * mass)
+                span = f"{lo}-{hi} particles" if hi else f">= {lo} particles"
+                print(f"  {label}, {span:>16}: {r['count']:4d} / {r['expected']:6.1f} = "
+                      f"{r['ratio']:.2f} +- {r['error']:.2f}")
+    pos = _host(particles.pos)
     if lead and catalogues[-1] is not None:
         sl = os.path.join(args.out, "density_slice.png")
         plot_density_slice(sl, pos, box_size=args.box, halo_pos=final["pos"],

@@ -44,6 +44,7 @@ from ._fof import ghost_width as fof_ghost_width
 from ._halos import Extras, check_centre, halo_step, peak_densities, so_request
 from ._frontend import local_fields, particles_of, prepare, program_cache
 from ._geometry import grid_to_box
+from ._jaxpm import check_state_positions, resolve_pm_nc
 from ._knn import density_from, ghost_width as knn_ghost_width
 from ._knn_api import knn_on_plan
 from ._layout import Pencils
@@ -237,6 +238,20 @@ class InSitu:
       domain: the buffers of the decomposition shared by every analysis (FoF's z images
         and kNN's included).
       fof, knn: the analyses' own buffers (their ``domain`` fields are not used in situ).
+      paint_absolute_pos: the state's ``y[0]`` holds absolute positions in cells of the PM
+        grid (JaxPM's ``paint_absolute_pos=True``; the demo's ``run_simulation(pm_nc=...)``)
+        instead of displacements in lattice cells (the default, JaxPM's distributed mode).
+        The array index of a particle is still its lattice point, which gives its id.
+      pm_nc: PM grid cells per side (default: the lattice's ``nc``); with
+        ``paint_absolute_pos`` it may differ from ``nc`` (e.g. ``2 * nc``). Positions are
+        ``wrap(y[0] * box_size / pm_nc)`` Mpc/h and velocities ``H0 (box_size / pm_nc)
+        y[1] / a`` km/s (see :func:`jaxpm_halos.units.momentum_to_velocity`: the momentum
+        is in PM cells). The particle mass and the linking length ``b box_size / nc``
+        still use the particle lattice's ``nc``.
+
+    A state whose mode or ``pm_nc`` is wrong raises ValueError when it is concrete (the
+    mean-position test of :func:`jaxpm_halos._jaxpm.check_state_positions`); inside
+    ``jit`` it cannot be checked.
     """
 
     box_size: float
@@ -253,6 +268,8 @@ class InSitu:
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
     fof: FoFConfig = dataclasses.field(default_factory=FoFConfig)
     knn: KNNConfig = dataclasses.field(default_factory=KNNConfig)
+    paint_absolute_pos: bool = False
+    pm_nc: int | None = None
     nc: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
@@ -269,6 +286,11 @@ class InSitu:
                                           self.min_members, 1))
         if "knn_density" in self.analyses or self.centre == "peak":
             object.__setattr__(self, "k", _check_k(self.k, self.nc))
+        if self.nc is None:  # types only; pm_nc against nc once a state gives nc
+            resolve_pm_nc(self.pm_nc or 1, self.pm_nc, self.paint_absolute_pos)
+        else:
+            object.__setattr__(self, "pm_nc",
+                               resolve_pm_nc(self.nc, self.pm_nc, self.paint_absolute_pos))
         check_centre(self.centre)
         object.__setattr__(self, "so", (self.so,) if isinstance(self.so, str)
                            else tuple(self.so))
@@ -314,6 +336,7 @@ class InSitu:
         y = _state_array(y)
         bound = dataclasses.replace(self, nc=int(y.shape[1]))
         problem = _state_layout(bound, y)
+        check_state_positions(y[0], bound.nc, bound.pm_nc, bound.paint_absolute_pos)
         if "fof" in bound.analyses:
             _check_linking_length(bound, problem.pencils)
         a = jnp.asarray(a, y.dtype)
@@ -461,14 +484,19 @@ def _compiled(insitu: InSitu, problem, dtype):
     selected = [analysis(name) for name in insitu.analyses]
     width = max([a.width(insitu, pencils) for a in selected] + [0.0])
     plan = plan_for(problem, insitu.domain, width)
-    nc, box = insitu.nc, insitu.box_size
+    nc, box, pm_nc = insitu.nc, insitu.box_size, insitu.pm_nc
     mass = units.particle_mass(insitu.omega_m, box, nc) if insitu.omega_m else 1.0
 
     def device(state, a):
         disp, mom = state[0], state[1]
-        fields, block = local_fields(problem, grid_to_box(_grid_positions(disp, pencils, nc),
-                                                          nc, box))
-        fields["vel"] = units.momentum_to_velocity(mom.reshape(-1, 3), a, box, nc)
+        if insitu.paint_absolute_pos:
+            # absolute positions in PM cells; the block's array indices stay lattice points
+            pos = grid_to_box(disp, pm_nc, box)
+        else:
+            pos = grid_to_box(_grid_positions(disp, pencils, nc), nc, box)
+        fields, block = local_fields(problem, pos)
+        # the momentum is in the state's length unit (PM cells) per unit of a^3 E(a)
+        fields["vel"] = units.momentum_to_velocity(mom.reshape(-1, 3), a, box, pm_nc)
         fields["mass"] = jnp.full(fields["pos"].shape[0], mass, disp.dtype)
 
         memo = {}  # one per snapshot: work analyses share (the kNN search)

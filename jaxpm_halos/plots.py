@@ -28,6 +28,18 @@ Sheth & Tormen 1999 (MNRAS 308, 119), with ``nu = delta_c / sigma``, ``delta_c =
 
     f(sigma) = A sqrt(2 a / pi) [1 + (a nu^2)^(-p)] nu exp(-a nu^2 / 2),
     A = 0.3222, a = 0.707, p = 0.3.
+
+Tinker et al. 2008 (ApJ 688, 709), spherical-overdensity masses with ``Delta = 200``
+times the mean matter density (M200m), their Eq. 3 with the Table 2 row ``Delta = 200``
+and the redshift dependence of their Eqs. 5-8 (``z = 1/a - 1``; fitted for z <= 2.5)::
+
+    f(sigma, z) = A(z) [(sigma / b(z))^(-a(z)) + 1] exp(-c / sigma^2),
+    A(z) = A0 (1 + z)^-0.14,  a(z) = a0 (1 + z)^-0.06,  b(z) = b0 (1 + z)^-alpha,
+    log10 alpha(Delta) = -[0.75 / log10(Delta / 75)]^1.2   (alpha = 0.01068 at Delta = 200),
+    A0 = 0.186, a0 = 1.47, b0 = 2.57, c = 1.19,
+
+calibrated for -0.6 <= ln(1/sigma) <= 0.4 at z = 0. Like Watson's, this f is the
+multiplicity function of ``dn/dlog10 M`` above (``sigma`` at the snapshot's ``a``).
 """
 
 from __future__ import annotations
@@ -39,11 +51,14 @@ import numpy as np
 
 from . import units
 
-__all__ = ["WATSON13_FOF", "SHETH_TORMEN", "linear_power", "mass_function_fit",
-           "measured_mass_function", "plot_density_slice", "plot_mass_function", "sigma_of_mass"]
+__all__ = ["FITS", "SHETH_TORMEN", "TINKER08_200M", "WATSON13_FOF", "fitting_function",
+           "linear_power", "mass_function_fit", "measured_mass_function", "plot_density_slice",
+           "plot_mass_function", "ratio_above", "sigma_of_mass"]
 
 WATSON13_FOF = dict(A=0.282, alpha=2.163, beta=1.406, gamma=1.210)
 SHETH_TORMEN = dict(A=0.3222, a=0.707, p=0.3, delta_c=1.686)
+TINKER08_200M = dict(A0=0.186, a0=1.47, b0=2.57, c=1.19, delta=200.0)
+FITS = ("watson13", "sheth_tormen", "tinker08")
 
 _COSMO_KEYS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
 
@@ -96,9 +111,38 @@ def sigma_of_mass(mass, cosmology, a: float = 1.0) -> np.ndarray:
     return np.sqrt(var).reshape(mass.shape)
 
 
+def fitting_function(sigma, fit: str = "watson13", a: float = 1.0) -> np.ndarray:
+    """The multiplicity function ``f(sigma)`` of ``fit`` (formulas in the module docstring):
+    ``"watson13"`` (FoF b = 0.2), ``"sheth_tormen"``, or ``"tinker08"`` (M200m, at scale
+    factor ``a``; the others do not depend on ``a``)."""
+    sigma = np.asarray(sigma, np.float64)
+    if fit == "watson13":
+        p = WATSON13_FOF
+        return p["A"] * ((p["beta"] / sigma) ** p["alpha"] + 1) * np.exp(-p["gamma"] / sigma ** 2)
+    if fit == "sheth_tormen":
+        p = SHETH_TORMEN
+        nu = p["delta_c"] / sigma
+        return (p["A"] * np.sqrt(2 * p["a"] / np.pi) * (1 + (p["a"] * nu * nu) ** (-p["p"]))
+                * nu * np.exp(-p["a"] * nu * nu / 2))
+    if fit == "tinker08":
+        p = TINKER08_200M
+        if not 0 < a <= 1:
+            raise ValueError(f"tinker08 needs a scale factor in (0, 1], got a = {a}")
+        zp1 = 1.0 / a
+        alpha = 10 ** -((0.75 / math.log10(p["delta"] / 75)) ** 1.2)
+        amp = p["A0"] * zp1 ** -0.14
+        slope = p["a0"] * zp1 ** -0.06
+        b = p["b0"] * zp1 ** -alpha
+        return amp * ((sigma / b) ** -slope + 1) * np.exp(-p["c"] / sigma ** 2)
+    raise ValueError(f"unknown fit {fit!r}; use one of {FITS}")
+
+
 def mass_function_fit(mass, cosmology, a: float = 1.0, fit: str = "watson13") -> np.ndarray:
     """``dn/dlog10 M`` in (Mpc/h)^-3 at masses ``mass`` (Msun/h) from ``fit``:
-    ``"watson13"`` (Watson et al. 2013 FoF) or ``"sheth_tormen"``."""
+    ``"watson13"`` (Watson et al. 2013 FoF), ``"sheth_tormen"`` or ``"tinker08"``
+    (Tinker et al. 2008, M200m, with its redshift dependence)."""
+    if fit not in FITS:
+        raise ValueError(f"unknown fit {fit!r}; use one of {FITS}")
     mass = np.asarray(mass, np.float64)
     lnm = np.log(mass)
     # d ln sigma / d ln M on a fine grid around the requested masses
@@ -106,16 +150,7 @@ def mass_function_fit(mass, cosmology, a: float = 1.0, fit: str = "watson13") ->
     lnsig = np.log(sigma_of_mass(np.exp(grid), cosmology, a))
     sigma = np.exp(np.interp(lnm, grid, lnsig))
     dlns_dlnm = np.interp(lnm, grid, np.gradient(lnsig, grid))
-    if fit == "watson13":
-        p = WATSON13_FOF
-        f = p["A"] * ((p["beta"] / sigma) ** p["alpha"] + 1) * np.exp(-p["gamma"] / sigma ** 2)
-    elif fit == "sheth_tormen":
-        p = SHETH_TORMEN
-        nu = p["delta_c"] / sigma
-        f = (p["A"] * np.sqrt(2 * p["a"] / np.pi) * (1 + (p["a"] * nu * nu) ** (-p["p"]))
-             * nu * np.exp(-p["a"] * nu * nu / 2))
-    else:
-        raise ValueError(f"unknown fit {fit!r}; use 'watson13' or 'sheth_tormen'")
+    f = fitting_function(sigma, fit, a)
     rho_m = _omega_m(cosmology) * units.RHO_CRIT
     return math.log(10) * f * rho_m / mass * np.abs(dlns_dlnm)
 
@@ -143,46 +178,31 @@ def _pyplot():
     return plt
 
 
-def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0,
-                       particle_mass: float, min_members: int = 20, dex: float = 0.2,
-                       title: str | None = None) -> dict:
-    """Plot the halo mass function of one snapshot against the Watson et al. 2013 FoF fit
-    (and Sheth-Tormen), from jax_cosmo's linear power at scale factor ``a``.
-
-    Args:
-      path: PNG file to write.
-      mass: halo masses in Msun/h.
-      box_size: box side in Mpc/h.
-      cosmology: a jax_cosmo Cosmology or a dict of its parameters.
-      particle_mass: Msun/h per particle (marks the ``min_members`` and 100-particle limits).
-      dex: bin width in log10 M.
-
-    Returns the binned measurement (see :func:`measured_mass_function`) with the fits at the
-    bin centres (``"watson13"``, ``"sheth_tormen"``).
-    """
-    plt = _pyplot()
+def _binned(mass, box_size, lo, dex, cosmology, a, fits):
+    """Bins of ``dex`` from ``10**lo`` up to the largest mass, the measurement there, and
+    the fits on a fine curve and at the bin centres."""
     mass = np.asarray(mass, np.float64)
-    lo = math.log10(min_members * particle_mass)
     hi = math.log10(mass.max()) if mass.size else lo + dex
     edges = 10 ** (lo + dex * np.arange(int(math.ceil((hi - lo) / dex + 1e-9)) + 1))
     meas = measured_mass_function(mass, box_size, edges)
     curve_m = np.logspace(lo - 0.3, max(hi, lo + 1) + 0.5, 200)
-    watson = mass_function_fit(curve_m, cosmology, a, "watson13")
-    st = mass_function_fit(curve_m, cosmology, a, "sheth_tormen")
-    meas["watson13"] = np.interp(np.log(meas["centres"]), np.log(curve_m), watson)
-    meas["sheth_tormen"] = np.interp(np.log(meas["centres"]), np.log(curve_m), st)
+    curves = {fit: mass_function_fit(curve_m, cosmology, a, fit) for fit in fits}
+    for fit, curve in curves.items():  # log-log interpolation: exact to ~1e-4 in the tail
+        meas[fit] = np.exp(np.interp(np.log(meas["centres"]), np.log(curve_m),
+                                     np.log(np.maximum(curve, 1e-300))))
+    return meas, curve_m, curves
 
-    fig, (ax, rat) = plt.subplots(2, 1, figsize=(6.4, 6.4), sharex=True,
-                                  gridspec_kw=dict(height_ratios=(3, 1), hspace=0.05))
-    ax.loglog(curve_m, watson, "k-", label="Watson et al. 2013 FoF fit")
-    ax.loglog(curve_m, st, "k--", lw=1, label="Sheth & Tormen 1999")
+
+def _mass_panel(ax, rat, meas, curve_m, curves, labels, reference, point_label, colour,
+                particle_mass, box_size, dex):
+    for (fit, curve), (label, style) in zip(curves.items(), labels):
+        ax.loglog(curve_m, curve, style, lw=1.5 if fit == reference else 1, label=label)
     ok = meas["count"] > 0
     ax.errorbar(meas["centres"][ok], meas["dndlog10m"][ok], yerr=meas["error"][ok], fmt="o",
-                color="C3", ms=4, capsize=2,
-                label=f"in-situ FoF, {mass.size} halos ($\\geq${min_members} particles)")
-    ratio = meas["dndlog10m"] / meas["watson13"]
-    rat.errorbar(meas["centres"][ok], ratio[ok], yerr=(meas["error"] / meas["watson13"])[ok],
-                 fmt="o", color="C3", ms=4, capsize=2)
+                color=colour, ms=4, capsize=2, label=point_label)
+    ratio = meas["dndlog10m"] / meas[reference]
+    rat.errorbar(meas["centres"][ok], ratio[ok], yerr=(meas["error"] / meas[reference])[ok],
+                 fmt="o", color=colour, ms=4, capsize=2)
     rat.axhline(1, color="k", lw=1)
     rat.set_xscale("log")
     rat.set_ylim(0, 2)
@@ -190,14 +210,95 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
         axis.axvline(100 * particle_mass, color="0.6", ls=":", lw=1)
     ax.text(100 * particle_mass, 0.03, "100 particles ", color="0.4", fontsize=8, ha="right",
             va="bottom", transform=ax.get_xaxis_transform())
-    ax.set_ylabel(r"$dn/d\log_{10}M$  [$(h^{-1}\mathrm{Mpc})^{-3}$]")
-    rat.set_ylabel("sim / Watson")
     rat.set_xlabel(r"$M$  [$h^{-1}M_\odot$]")
     floor = 0.3 / (box_size ** 3 * dex)
-    ax.set_ylim(floor, max(watson.max(), meas["dndlog10m"].max(initial=0)) * 2)
+    top = max(max(c.max() for c in curves.values()), meas["dndlog10m"].max(initial=0)) * 2
+    ax.set_ylim(floor, top)
     ax.set_xlim(curve_m[0], curve_m[-1])
-    ax.legend(fontsize=8, loc="upper right")
-    ax.set_title(title or f"halo mass function, a = {a:.3g} (z = {1 / a - 1:.2f})", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
+
+
+def ratio_above(mass, *, box_size: float, cosmology, a: float = 1.0, fit: str = "watson13",
+                min_mass: float, max_mass: float | None = None) -> dict:
+    """The number of haloes with ``min_mass <= mass < max_mass`` (Msun/h) against ``fit``.
+
+    Returns ``{"count", "expected", "ratio", "error"}`` with ``expected = V \\int dn/dlog10M
+    dlog10M`` over that range (trapezoid, 600 points; without ``max_mass`` up to
+    ``1000 min_mass``: haloes that much heavier are absent from such boxes),
+    ``V = box_size^3``, and the Poisson error of the ratio ``sqrt(count) / expected``.
+    """
+    mass = np.asarray(mass, np.float64)
+    top = 1000 * min_mass if max_mass is None else max_mass
+    count = int(np.count_nonzero((mass >= min_mass) & (mass < top)))
+    lgm = np.linspace(math.log10(min_mass), math.log10(top), 600)
+    dn = mass_function_fit(10 ** lgm, cosmology, a, fit)
+    expected = float(np.trapezoid(dn, lgm)) * float(box_size) ** 3
+    return {"count": count, "expected": expected, "ratio": count / expected,
+            "error": math.sqrt(count) / expected}
+
+
+def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0,
+                       particle_mass: float, min_members: int = 20, dex: float = 0.2,
+                       title: str | None = None, so_mass=None, so_definition: str = "200m",
+                       so_label: str | None = None) -> dict:
+    """Plot the halo mass function of one snapshot against the Watson et al. 2013 FoF fit
+    (and Sheth-Tormen), from jax_cosmo's linear power at scale factor ``a``; with
+    ``so_mass``, beside it the spherical-overdensity masses against Tinker et al. 2008.
+
+    Args:
+      path: PNG file to write.
+      mass: FoF halo masses in Msun/h.
+      box_size: box side in Mpc/h.
+      cosmology: a jax_cosmo Cosmology or a dict of its parameters.
+      particle_mass: Msun/h per particle (marks the ``min_members`` and 100-particle limits).
+      dex: bin width in log10 M.
+      so_mass: optional SO masses (Msun/h), e.g. M200m of the same haloes, NaN for none;
+        binned from ``min_members`` particles like the FoF masses and drawn in a second
+        column against Tinker et al. 2008 (``so_definition`` must be ``"200m"``, the only
+        one that fit is given for here).
+      so_label: legend label of the SO points.
+
+    Returns the binned FoF measurement (see :func:`measured_mass_function`) with the fits at
+    the bin centres (``"watson13"``, ``"sheth_tormen"``), and with ``so_mass`` under
+    ``"so"`` the same for the SO masses (``"tinker08"``, ``"sheth_tormen"``).
+    """
+    if so_mass is not None and so_definition != "200m":
+        raise ValueError(f"plot_mass_function compares SO masses with Tinker et al. 2008 for "
+                         f"M200m; got so_definition={so_definition!r}")
+    plt = _pyplot()
+    mass = np.asarray(mass, np.float64)
+    lo = math.log10(min_members * particle_mass)
+    meas, curve_m, curves = _binned(mass, box_size, lo, dex, cosmology, a,
+                                    ("watson13", "sheth_tormen"))
+    columns = 1 if so_mass is None else 2
+    fig, axes = plt.subplots(2, columns, figsize=(6.4 * columns, 6.4), sharex="col",
+                             squeeze=False, gridspec_kw=dict(height_ratios=(3, 1), hspace=0.05,
+                                                             wspace=0.25))
+    _mass_panel(axes[0, 0], axes[1, 0], meas, curve_m, curves,
+                [("Watson et al. 2013 FoF fit", "k-"), ("Sheth & Tormen 1999", "k--")],
+                "watson13", f"in-situ FoF, {mass.size} halos ($\\geq${min_members} particles)",
+                "C3", particle_mass, box_size, dex)
+    axes[0, 0].set_ylabel(r"$dn/d\log_{10}M$  [$(h^{-1}\mathrm{Mpc})^{-3}$]")
+    axes[1, 0].set_ylabel("sim / Watson")
+    axes[0, 0].set_title("FoF (b = 0.2) mass" if columns == 2 else
+                         (title or f"halo mass function, a = {a:.3g} (z = {1 / a - 1:.2f})"),
+                         fontsize=10)
+    if so_mass is not None:
+        so_all = np.asarray(so_mass, np.float64).reshape(-1)
+        so = so_all[np.isfinite(so_all) & (so_all > 0)]
+        meas_so, curve_so, curves_so = _binned(so, box_size, lo, dex, cosmology, a,
+                                               ("tinker08", "sheth_tormen"))
+        _mass_panel(axes[0, 1], axes[1, 1], meas_so, curve_so, curves_so,
+                    [("Tinker et al. 2008, $\\Delta$ = 200m", "k-"),
+                     ("Sheth & Tormen 1999", "k--")], "tinker08",
+                    so_label or f"M200m of the FoF haloes ({so.size} of {so_all.size} > 0)",
+                    "C0", particle_mass,
+                    box_size, dex)
+        axes[1, 1].set_ylabel("sim / Tinker")
+        axes[0, 1].set_title("spherical overdensity $M_{200m}$", fontsize=10)
+        meas["so"] = meas_so
+        if title:
+            fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return meas

@@ -76,12 +76,19 @@ def momentum_to_velocity(p, a, box_size, nc):
     For 1LPT (``p = a^2 f E d``, ``d`` the displacement in cells) this is the linear-theory
     relation ``v = a H(a) f(a) Psi``, ``Psi = d * box_size / nc`` in Mpc/h.
 
+    The derivation holds for any grid: the momentum is in the unit of the state's positions,
+    so ``nc`` is the number of cells per side of the grid whose cells measure the positions.
+    For an absolute-position state on a PM grid of ``pm_nc`` cells per side (JaxPM's
+    ``paint_absolute_pos=True``; ``jaxpm_halos.demo.run_simulation(pm_nc=...)``) that is
+    ``pm_nc``: there ``x_pm = (pm_nc / nc) x_lattice``, so ``p_pm = (pm_nc / nc) p_lattice``
+    and ``v = H0 (box_size / pm_nc) p_pm / a`` is the same velocity.
+
     Args:
       p: momentum in grid units, e.g. ``particles.vel`` from
         :func:`jaxpm_halos.from_jaxpm`, or ``y[1]`` of JaxPM's diffrax state.
       a: scale factor of the snapshot (scalar, or broadcastable to ``p``).
       box_size: box side in Mpc/h.
-      nc: grid cells per side.
+      nc: grid cells per side (``pm_nc`` for an absolute-position state).
     """
     return p * (H0 * box_size / nc) / a
 
