@@ -24,8 +24,8 @@ from ._domain import Decomposition, psum_all
 from ._fof import fof_step, ghost_width
 from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache, row_masses,
                         trim_padding)
-from ._knn import density_from, ghost_width as knn_width
-from ._knn_api import _check_k, knn_on_plan
+from ._knn import ghost_width as knn_width
+from ._knn_api import _check_k, knn_density_on_plan
 from ._particles import _check_integer
 from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
@@ -63,23 +63,22 @@ class Extras:
         return width
 
 
-def peak_density(plan: Plan, k: int, total: int, config: KNNConfig):
+def peak_density(plan: Plan, k: int, total: int, config: KNNConfig, equal_masses: bool):
     """``fn(decomposition) -> (density, status)``: kNN density of the owned rows, for the
     catalogue's density peaks."""
     knn_plan = plan.with_width(knn_width(k, total, plan.pencils, config))
 
     def density(decomposition: Decomposition):
-        result, status = knn_on_plan(knn_plan, decomposition, k, config)
-        return peak_densities(result, status, k)
+        return peak_densities(*knn_density_on_plan(knn_plan, decomposition, k, config,
+                                                   equal_masses))
 
     return density
 
 
-def peak_densities(knn_result, knn_status, k: int):
-    """``(density, status)`` of the owned rows from their kNN result, the status's names
-    apart from FoF's own (both have "z images")."""
-    return (density_from(knn_result["dist"], knn_result["neighbour_mass"], k),
-            knn_status.renamed("peak "))
+def peak_densities(density, knn_status):
+    """``(density, status)`` for the peaks: the kNN status's names apart from FoF's own
+    (both have "z images")."""
+    return density, knn_status.renamed("peak ")
 
 
 def with_so(plan: Plan, decomposition: Decomposition, catalogue, extras: Extras, densities,
@@ -108,12 +107,13 @@ def with_so(plan: Plan, decomposition: Decomposition, catalogue, extras: Extras,
 
 
 def halo_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,
-              extras: Extras, densities=None, density=None, total: int = 0) -> Step:
+              extras: Extras, densities=None, density=None, total: int = 0,
+              equal_masses: bool = False) -> Step:
     """FoF with the catalogue's extras as one pipeline step. ``density(decomposition) ->
     (density, status)`` supplies the peak's densities (default: :func:`peak_density` with
     ``config.knn`` and ``total`` particles); ``densities`` (D,) the SO thresholds."""
     if extras.centre == "peak" and density is None:
-        density = peak_density(plan, extras.k, total, config.knn)
+        density = peak_density(plan, extras.k, total, config.knn, equal_masses)
     fof = fof_step(plan, linking_length, min_members, config,
                    density if extras.centre == "peak" else None)
 
@@ -184,7 +184,8 @@ def _fof_program(problem: Problem, in_specs, linking_length: float, min_members:
         if extras.so:
             *blocks, densities = blocks
         steps = {"fof": halo_step(plan, linking_length, min_members, config, extras,
-                                  densities, total=problem.total)}
+                                  densities, total=problem.total,
+                                  equal_masses=problem.mass_kind != "rows")}
         fields, shape = local_fields(problem, *blocks)
         fields["mass"] = row_masses(problem, fields)
         valid = local_valid(problem, fields["pos"].shape[0])

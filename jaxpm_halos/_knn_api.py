@@ -312,6 +312,18 @@ def knn_on_plan(plan: Plan, decomposition: Decomposition, k: int, config: KNNCon
     return result, status
 
 
+def knn_density_on_plan(plan: Plan, decomposition: Decomposition, k: int, config: KNNConfig,
+                        equal_masses: bool = False):
+    """``(density, status)``: kNN density of a decomposition's owned rows (their migrated
+    ``mass``), ghost layer ``plan.width``. ``equal_masses`` (every particle has the same
+    mass) keeps only the k-th neighbour of each row, with the same values."""
+    spec = _Spec(int(k), config, "density", None, False, kth_only=bool(equal_masses))
+    nb, status, _ = _neighbours(plan, decomposition, spec)
+    rho = knn_density_of(decomposition.migrated.payload["pos"], nb, spec.k,
+                         plan.pencils.box_size)
+    return rho, status
+
+
 def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int, width: float,
                          *, mass=None, config: KNNConfig = KNNConfig(), n0: int):
     """kNN of the owned particles of a shared :class:`~._domain.Decomposition`.

@@ -45,8 +45,8 @@ from ._halos import Extras, check_centre, halo_step, peak_densities, so_request
 from ._frontend import local_fields, particles_of, prepare, program_cache
 from ._geometry import grid_to_box
 from ._jaxpm import check_state_positions, resolve_pm_nc
-from ._knn import density_from, ghost_width as knn_ghost_width
-from ._knn_api import knn_on_plan
+from ._knn import ghost_width as knn_ghost_width
+from ._knn_api import knn_density_on_plan
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
 from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
@@ -173,7 +173,7 @@ def _fof_analysis(snap: Snapshot):
                                for name in extras.so])
     density = None
     if extras.centre == "peak":
-        density = lambda dec: peak_densities(*_knn_result(snap), insitu.k)
+        density = lambda dec: peak_densities(*_knn_density(snap))
     step = halo_step(snap.plan, insitu.linking_length, insitu.min_members, insitu.fof, extras,
                      densities, density)
     return step.run(snap.decomposition)
@@ -183,12 +183,13 @@ def _knn_width(insitu: "InSitu", pencils: Pencils) -> float:
     return knn_ghost_width(insitu.k, insitu.nc ** 3, pencils, insitu.knn)
 
 
-def _knn_result(snap: Snapshot):
-    """The kNN search of the owned particles, shared by ``knn_density`` and FoF's peaks."""
+def _knn_density(snap: Snapshot):
+    """``(density, status)`` of the owned particles, shared by ``knn_density`` and FoF's
+    peaks (every particle has the same mass in situ: only the k-th neighbour is kept)."""
     insitu = snap.insitu
     plan = snap.plan.with_width(_knn_width(insitu, snap.pencils))
-    return snap.shared("knn", lambda: knn_on_plan(plan, snap.decomposition, insitu.k,
-                                                  insitu.knn))
+    return snap.shared("knn", lambda: knn_density_on_plan(plan, snap.decomposition, insitu.k,
+                                                          insitu.knn, equal_masses=True))
 
 
 @register("knn_density", outputs={"density": "particle", "status": "replicated"},
@@ -199,8 +200,7 @@ def _knn_density_analysis(snap: Snapshot):
     ``rho / rho_mean - 1``. Exact: spheres that leave the ghost layer are completed across
     devices."""
     insitu = snap.insitu
-    result, status = _knn_result(snap)
-    rho = density_from(result["dist"], result["neighbour_mass"], insitu.k)
+    rho, status = _knn_density(snap)
     if insitu.overdensity:
         mean = insitu.nc ** 3 * snap.particles.mass[0] / insitu.box_size ** 3
         rho = rho / mean - 1
