@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from ._cells import CellGrid, _x64, column_start, search_columns, sort_columns, z_order
 from ._config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
 from ._domain import Decomposition, pmax_all, psum_all, selection
-from ._fof import z_images
+from ._fof import ghost_width as fof_ghost_width, z_images
 from ._frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils
@@ -57,7 +57,7 @@ _FOUR_THIRDS_PI = 4.0 / 3.0 * math.pi
 
 def search_width(radius: float, box_size: float) -> float:
     """Ghost layer for searches up to ``radius``, with FoF's margin for rounding at faces."""
-    return float(radius) * (1 + 1e-5) + 8 * float(np.finfo(np.float32).eps) * box_size
+    return fof_ghost_width(radius, box_size)
 
 
 def radius_limit(radius: float, box_size: float) -> Limit:
@@ -214,8 +214,7 @@ def _level(frame: _Frame, centres, pending, density, radius: float, heaviest, bo
     Returns ``(mass, done, need_pairs)``: masses updated where resolved, the centres
     resolved at this level, and the most candidates one centre needed.
     """
-    reach = radius * (1 + 1e-5) + 8 * float(np.finfo(np.float32).eps) * box
-    cols, starts, ends = _windows(frame, centres, reach)
+    cols, starts, ends = _windows(frame, centres, search_width(radius, box))
     counts = jnp.sum(ends - starts, axis=1)  # (H,)
     need = jnp.max(jnp.where(pending, counts, 0))
     # A centre whose candidates alone overflow the buffer cannot be handled: it stays
