@@ -3,7 +3,7 @@
 Run it with::
 
     python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20] [--snapshots 0.5,1.0]
-        [--mesh 2,4] [--pm-factor 2] [--m200m] [--centre peak] [--b 0.2] [--min-members 20]
+        [--mesh 2,4] [--pm-factor 2] [--no-m200m] [--centre peak] [--b 0.2] [--min-members 20]
         [--k 16] [--out halos_out]
 
 On a machine with only a CPU, the run is spread over 8 XLA host devices (a ``(2, 4)``
@@ -20,8 +20,8 @@ median kNN density, and the time of the analyses against one PM step: the compil
 is run again with the analyses switched off by a traced flag (``lax.cond``), and once per
 snapshot with them on at that snapshot only (``--timing``). It writes one HDF5 catalogue
 per snapshot (``halos_a1.0000.h5``, see :mod:`jaxpm_halos.io`), ``mass_function.png``
-(FoF masses against the Watson et al. 2013 FoF fit and, with ``--m200m``, beside them
-the in-situ spherical-overdensity M200m of the same haloes, about their density peaks or
+(FoF masses against the Watson et al. 2013 FoF fit and, unless ``--no-m200m``, beside
+them the in-situ spherical-overdensity M200m of the same haloes, about their density peaks or
 centres of mass (``--centre``), against Tinker et al. 2008) and
 ``density_slice.png`` to ``--out``, and prints the counts above 100 particles against
 the fits.
@@ -557,10 +557,10 @@ def main(argv=None) -> int:
                         help="PM grid cells per particle spacing along each axis: the PM grid "
                              "has (pm-factor * nc)^3 cells (default %(default)s; 1 is JaxPM's "
                              "own displacement mode, >1 the demo's refined_pm_ode)")
-    parser.add_argument("--m200m", action="store_true",
-                        help="also measure the spherical-overdensity M200m of every FoF halo "
-                             "in situ (InSitu(so=('200m',))) and plot it against Tinker et al. "
-                             "2008 beside the FoF masses")
+    parser.add_argument("--m200m", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the spherical-overdensity M200m of every FoF halo in "
+                             "situ (InSitu(so=('200m',))) and plot it against Tinker et al. "
+                             "2008 beside the FoF masses (default on; --no-m200m skips it)")
     parser.add_argument("--centre", choices=("peak", "com"), default="peak",
                         help="SO centre with --m200m: the member with the highest kNN density "
                              "(peak) or the centre of mass (com) (default peak)")
