@@ -27,29 +27,53 @@ from jaxpm.pm import linear_field, lpt, make_diffrax_ode  # noqa: E402
 import jaxpm_halos  # noqa: E402
 
 
+def _cosmology():
+    return jc.Planck15(Omega_c=0.25, sigma8=0.8)
+
+
+def _sharding(mesh):
+    return None if mesh is None else NamedSharding(mesh, P("x", "y"))
+
+
+def initial_state(nc, box, sharding, seed):
+    """The README's initial conditions: 2LPT displacements and momenta at a = 0.1."""
+    k = jnp.logspace(-4, 1, 128)
+    pk = jc.power.linear_matter_power(_cosmology(), k)
+    field = linear_field((nc,) * 3, [box] * 3,
+                         lambda x: interpolate_power_spectrum(x, k, pk, sharding),
+                         seed=jax.random.PRNGKey(seed), sharding=sharding)
+    dx, p, _ = lpt(_cosmology(), field, a=0.1, order=2, halo_size=16, sharding=sharding)
+    return jnp.stack([dx, p])
+
+
+def solve(nc, steps, sharding, saveat, y0):
+    """The README's diffeqsolve from ``y0`` with ``saveat``: ``(ys, ok)``."""
+    ode = diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False,
+                                           halo_size=16, sharding=sharding))
+    sol = diffrax.diffeqsolve(
+        ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=y0,
+        args=_cosmology(), saveat=saveat,
+        stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
+        max_steps=steps, throw=False)
+    return sol.ys, sol.result == diffrax.RESULTS.successful
+
+
 def recipe(nc, box, steps, mesh, saveat):
-    """The README's ``simulate`` with another ``saveat``, jitted."""
-    sharding = NamedSharding(mesh, P("x", "y"))
+    """The README's ``simulate`` with another ``saveat``, jitted (``mesh`` None: one
+    device, no sharding)."""
+    sharding = _sharding(mesh)
+    return jax.jit(lambda seed: solve(nc, steps, sharding, saveat,
+                                      initial_state(nc, box, sharding, seed)))
 
-    @jax.jit
-    def simulate(seed):
-        k = jnp.logspace(-4, 1, 128)
-        pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=0.25, sigma8=0.8), k)
-        field = linear_field((nc,) * 3, [box] * 3,
-                             lambda x: interpolate_power_spectrum(x, k, pk, sharding),
-                             seed=jax.random.PRNGKey(seed), sharding=sharding)
-        cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
-        dx, p, _ = lpt(cosmo, field, a=0.1, order=2, halo_size=16, sharding=sharding)
-        ode = diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False,
-                                               halo_size=16, sharding=sharding))
-        sol = diffrax.diffeqsolve(
-            ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=jnp.stack([dx, p]),
-            args=cosmo, saveat=saveat,
-            stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
-            max_steps=steps, throw=False)
-        return sol.ys, sol.result == diffrax.RESULTS.successful
 
-    return simulate
+def solve_temporaries(nc, steps, mesh, saveat):
+    """XLA's temporary bytes of the compiled solve alone (from a given state), per device
+    times the devices: what the analyses add to a run's working memory."""
+    sharding = _sharding(mesh)
+    y0 = jax.ShapeDtypeStruct((2, nc, nc, nc, 3), jnp.float32, sharding=sharding)
+    compiled = jax.jit(lambda y: solve(nc, steps, sharding, saveat, y)).lower(y0).compile()
+    devices = 1 if mesh is None else mesh.size
+    return compiled.memory_analysis().temp_size_in_bytes * devices
 
 
 def min_time(fn, repeats):
