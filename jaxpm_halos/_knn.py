@@ -214,23 +214,32 @@ def neighbour_distances(query_pos, nb: Neighbours, box_size: float):
     return jnp.where(nb.ok[:, None], _safe_norm(d2), jnp.nan)
 
 
-def density_from(dist, nb_mass, k: int):
-    """kNN density ``(sum of the k-1 nearest masses) / (4/3 pi r_k^3)`` per row; equals
-    ``(k - 1) m / V_k`` for equal masses."""
-    rk = dist[:, k - 1]
-    mass = jnp.sum(nb_mass[:, :k - 1], axis=1)
-    return mass / (4.0 / 3.0 * jnp.pi * rk ** 3)
+def _sum_left_to_right(columns):
+    """Sum of ``(n,)`` columns added one after another. Both density paths add the k - 1
+    masses this way, so a mass given once and the same mass gathered per neighbour give
+    the same bits (a reduction could be reordered, and XLA turns a sum of a broadcast
+    into a product, which rounds differently), without an ``(n, k)`` array of masses."""
+    total = columns[0]
+    for column in columns[1:]:
+        total = total + column
+    return total
+
+
+def density_from(rk, mass_sum):
+    """kNN density ``(sum of the k-1 nearest masses) / (4/3 pi r_k^3)`` per row, from the
+    k-th distance ``rk`` (n,) and that sum (n,); ``(k - 1) m / V_k`` for equal masses."""
+    return mass_sum / (4.0 / 3.0 * jnp.pi * rk ** 3)
 
 
 def knn_density_of(query_pos, nb: Neighbours, k: int, box_size: float):
-    """:func:`density_from` of the neighbours, computing only the k-th distance (n,): the
-    same values as from the full (n, k) distances. With only the k-th neighbour kept
-    (equal masses), its mass stands for each of the k - 1 nearest."""
+    """:func:`density_from` of the neighbours, computing only the k-th distance (n,). With
+    only the k-th neighbour kept (equal masses), its mass stands for each of the k - 1
+    nearest."""
     kth = nb.column(nb.codes.shape[1] - 1)
-    rk = neighbour_distances(query_pos, kth, box_size)  # (n, 1)
-    shape = (rk.shape[0], k)
+    rk = neighbour_distances(query_pos, kth, box_size)[:, 0]  # (n,)
     if nb.codes.shape[1] == k:
         mass = nb.mass  # (n, k)
-    else:  # materialised: XLA would turn a sum of a broadcast into a product (other bits)
-        mass = lax.optimization_barrier(jnp.broadcast_to(kth.mass, shape))
-    return density_from(jnp.broadcast_to(rk, shape), mass, k)
+        columns = [mass[:, j] for j in range(k - 1)]
+    else:
+        columns = [kth.mass[:, 0]] * (k - 1)
+    return density_from(rk, _sum_left_to_right(columns))
