@@ -340,9 +340,16 @@ print('RSS', first, warm, temp)
 
 
 def commit():
+    """The commit measured, ``-dirty`` when files other than this run's outputs differ."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE,
-                              capture_output=True, text=True, timeout=10).stdout.strip()
+        outputs = [f":!{HERE.name}/{name}" for name in ("RESULTS.md", "results.json",
+                                                        "scaling.png")]
+        dirty = git("status", "--porcelain", "--", "..", *outputs)
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
     except OSError:
         return ""
 
