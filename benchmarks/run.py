@@ -10,15 +10,19 @@ size) it times, after a warm-up, the minimum of several runs of:
 * FoF with its catalogue (b = 0.2, 20 members) through jaxpm_halos on 8 CPU devices with
   mesh (2, 4) and on one device, against scipy (cKDTree.query_pairs + connected_components)
   and kdcount's fof;
-* kNN density (k = 8 and 32) through jaxpm_halos against cKDTree.query(workers=-1);
+* kNN density (k = 8, 16 and 32) through jaxpm_halos against cKDTree.query(workers=-1);
 * the first call (compile) of each jaxpm_halos program;
 * one JaxPM PM step (a force evaluation) at the same size, and the in-situ cost of FoF plus
   kNN density (k = 16) in one shared decomposition, as a ratio to it;
 * spherical-overdensity masses (200 times the mean density, about every FoF halo's
   centre of mass) against cKDTree.query_ball_point plus a sort per centre, at 64^3 and
   128^3, and the in-situ cost of adding SO (200c, 200m, vir about the density peak);
+* the README's in-situ recipe (64^3, 128 Mpc/h, 10 LeapfrogMidpoint steps, mesh (2, 4))
+  with 1, 2 and 5 save times through ``InSitu.saveat``: the extra time per snapshot in PM
+  steps of that solve, and the XLA temporaries of its compiled solve with and without the
+  analyses, on one device and on (2, 4);
 * the peak memory of each jaxpm_halos function, in a child process (max RSS above the
-  process's RSS before the call), per particle.
+  process's RSS before the call), per particle, and XLA's temporaries.
 
 Every jaxpm_halos result is checked against the reference it is timed against; a wrong
 answer stops the benchmark. Figures compared are ratios measured in the same run.
