@@ -1,6 +1,6 @@
 """A longer exactness campaign than the suite: random adversarial layouts, every test mesh.
 
-    python tests/fuzz_exactness.py --seeds 40          # about 30 min on 2 cores
+    python tests/fuzz_exactness.py --seeds 20          # about 50 min on 2 cores
 
 Each seed draws clumps on pencil faces, edges and box corners (widths from 0.01 to 2.5
 linking lengths), chains spaced 0.9 l that may cross the whole box, runs of exact
