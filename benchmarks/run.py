@@ -350,8 +350,8 @@ def commit():
                               timeout=10).stdout.strip()
 
     try:
-        outputs = [f":!{HERE.name}/{name}" for name in ("RESULTS.md", "results.json",
-                                                        "scaling.png")]
+        # Pathspecs are relative to HERE, the folder of the outputs.
+        outputs = [f":(exclude){name}" for name in ("RESULTS.md", "results.json", "scaling.png")]
         dirty = git("status", "--porcelain", "--", "..", *outputs)
         return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
     except OSError:
