@@ -31,6 +31,13 @@ def _cosmology():
     return jc.Planck15(Omega_c=0.25, sigma8=0.8)
 
 
+def analyses(box):
+    """The analyses the recipe runs in situ: FoF (b = 0.2, 20 members) and kNN density
+    (k = 16), in the recipe's cosmology."""
+    return jaxpm_halos.InSitu(box_size=box, analyses=("fof", "knn_density"), b=0.2,
+                              min_members=20, k=16, omega_m=0.25 + 0.0486)
+
+
 def _sharding(mesh):
     return None if mesh is None else NamedSharding(mesh, P("x", "y"))
 
@@ -100,8 +107,7 @@ def main():
     warnings.filterwarnings("ignore", "Explicitly requested dtype.*int64")
     warnings.filterwarnings("ignore", "invalid value encountered in cast")
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
-    insitu = jaxpm_halos.InSitu(box_size=args.box, analyses=("fof", "knn_density"), b=0.2,
-                                min_members=20, k=16, omega_m=0.25 + 0.0486)
+    insitu = analyses(args.box)
     print(f"{args.nc}^3, {args.box:g} Mpc/h, {args.steps} steps, mesh (2, 4); "
           f"min of {args.repeats}", flush=True)
     final = None

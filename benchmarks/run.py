@@ -197,11 +197,6 @@ def pm_and_insitu(nc, rows):
     print(rows[-1], flush=True)
 
 
-def recipe_insitu():
-    return jh.InSitu(box_size=RECIPE["box"], analyses=("fof", "knn_density"), b=B,
-                     min_members=MIN_MEMBERS, k=16, omega_m=0.3)
-
-
 def insitu_in_solve(rows):
     """The README's recipe through ``InSitu.saveat`` with 1, 2 and 5 save times on (2, 4):
     its diffeqsolve from the 2LPT state, with the analyses against the same solve saving
@@ -209,13 +204,13 @@ def insitu_in_solve(rows):
     solve (its time without the analyses over its steps; LeapfrogMidpoint takes one force
     per step)."""
     import diffrax
-    from insitu_save_times import initial_state, solve
+    from insitu_save_times import analyses, initial_state, solve
 
     nc, box, steps = RECIPE["nc"], RECIPE["box"], RECIPE["steps"]
     mesh = mesh_of((2, 4))
     sharding = NamedSharding(mesh, P("x", "y"))
     y0 = jax.jit(lambda: initial_state(nc, box, sharding, 0))()
-    insitu = recipe_insitu()
+    insitu = analyses(RECIPE["box"])
     for ts in RECIPE_SAVES:
         off = jax.jit(lambda y: solve(nc, steps, sharding, diffrax.SaveAt(ts=jnp.asarray(ts)), y))
         on = jax.jit(lambda y: solve(nc, steps, sharding, insitu.saveat(ts, t0=0.1, t1=1.0), y))
@@ -236,10 +231,10 @@ def solve_memory():
     """XLA temporaries (bytes) of the recipe's compiled solve with one save time, with and
     without the analyses, on one device and on (2, 4): ``{where: (without, with)}``."""
     import diffrax
-    from insitu_save_times import solve_temporaries
+    from insitu_save_times import analyses, solve_temporaries
 
     nc, steps = RECIPE["nc"], RECIPE["steps"]
-    insitu = recipe_insitu()
+    insitu = analyses(RECIPE["box"])
     out = {}
     for where, mesh in (("1 dev", None), ("8 dev (2,4)", mesh_of((2, 4)))):
         out[where] = (solve_temporaries(nc, steps, mesh, diffrax.SaveAt(ts=jnp.asarray([1.0]))),
