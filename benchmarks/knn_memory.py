@@ -10,21 +10,18 @@ Compiles ``knn_density`` (and ``knn`` returning full lists) on a JaxPM z = 0 sna
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
 import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxpm_halos  # noqa: E402
 from conftest import make_mesh  # noqa: E402
-from snapshots import jaxpm_snapshot  # noqa: E402
 
 
 def main(argv=None):
@@ -45,8 +42,7 @@ def main(argv=None):
         x = jax.ShapeDtypeStruct((args.nc,) * 3 + (3,), jax.numpy.float32, sharding=sharding)
         prep = lambda d: jaxpm_halos.from_jaxpm(d, box_size=box)
     else:
-        snap = jaxpm_snapshot(args.nc, box, 20)
-        x = jaxpm_halos.from_jaxpm(jax.device_put(snap.disp, sharding), box_size=box)
+        _, x = snapshot_particles(args.nc, box, 20)
         prep = lambda p: p
     fns = {"density": lambda p: jaxpm_halos.knn_density(prep(p), k=args.k),
            "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k)}

@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
 
 import jaxpm_halos  # noqa: E402
-from conftest import make_mesh  # noqa: E402
-from snapshots import jaxpm_snapshot  # noqa: E402
 
 
 def main(argv=None):
@@ -42,10 +37,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     shape = tuple(int(v) for v in args.mesh.split(","))
 
-    snap = jaxpm_snapshot(args.nc, args.box, args.steps)
-    mesh = make_mesh(shape)
-    disp = jax.device_put(snap.disp, NamedSharding(mesh, P("x", "y")))
-    particles = jaxpm_halos.from_jaxpm(disp, box_size=args.box)
+    _, particles = snapshot_particles(args.nc, args.box, args.steps, shape)
     jax.block_until_ready(particles.pos)
     pos = np.asarray(particles.pos, np.float64).reshape(-1, 3)
     k, box = args.k, args.box

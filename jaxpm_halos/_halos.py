@@ -25,9 +25,9 @@ from ._fof import fof_step, ghost_width
 from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache, row_masses,
                         trim_padding)
 from ._knn import ghost_width as knn_width
-from ._knn_api import _check_k, knn_density_on_plan
+from ._knn_api import check_k, knn_density_on_plan
 from ._particles import _check_integer
-from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
+from ._pipeline import Plan, Step, jit_program, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._so import check_densities, resolve_radius, search_width, so_on_decomposition
 from ._status import Limit, is_traced
@@ -145,10 +145,6 @@ def so_request(so, omega_m=None, a=1.0):
     return names, [units.so_density(n, omega_m=omega_m, a=a) for n in names]
 
 
-def _check_knn_k(k, total: int) -> int:
-    return _check_k(k, total, True, least=2)
-
-
 def check_centre(centre: str) -> str:
     if centre not in CENTRES:
         raise ValueError(f"centre must be one of {CENTRES}, got {centre!r}")
@@ -195,7 +191,7 @@ def _fof_program(problem: Problem, in_specs, linking_length: float, min_members:
         out = run_sharded(layout, device, args, in_specs)["fof"]
         return out["labels"], out["catalogue"]
 
-    return jax.jit(run)
+    return jit_program(run)
 
 
 def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
@@ -255,7 +251,7 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     names, densities = so_request(so, omega_m, a)
     centre = check_centre(centre)
     if centre == "peak":
-        k = _check_knn_k(k, problem.total)
+        k = check_k(k, problem.total, True, least=2)
     if names:
         args = args + (check_densities(densities)[0].astype(args[0].dtype),)
 

@@ -20,7 +20,7 @@ from ._geometry import wrap
 from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances
 from ._layout import Pencils
 from ._particles import Particles
-from ._pipeline import Plan, Step, analyse, on_device, plan_for, run_sharded
+from ._pipeline import Plan, Step, analyse, jit_program, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._status import is_traced
 
@@ -123,20 +123,27 @@ def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
         valid = local_valid(problem, fields["pos"].shape[0])
         return on_device(plan, fields, valid, shape, {"knn": step})
 
-    return jax.jit(lambda *args: run_sharded(layout, device, args, in_specs)["knn"])
+    return jit_program(lambda *args: run_sharded(layout, device, args, in_specs)["knn"])
 
 
-def _check_k(k, total: int, self_mode: bool, least: int = 1) -> int:
+def check_k(k, total: int | None, self_mode: bool, least: int = 1, context: str = "",
+            particles: str = "there are {total}") -> int:
+    """``k`` as an int: an integer of at least ``least`` (2 for a density: the estimator
+    uses k - 1) and, where the particle count ``total`` is known, at most the particles
+    there are to find (k + 1 in self mode). Errors start with ``context``; ``particles``
+    words the count."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise ValueError(f"k must be a positive integer, got {k!r}")
+        raise ValueError(f"{context}k must be an integer, got {k!r}")
     k = int(k)
     if k < least:
-        raise ValueError(f"k must be at least 1, got {k}" if least == 1 else
-                         f"knn_density needs k >= {least} (the estimator uses k - 1), got {k}")
-    if self_mode and k >= total:
-        raise ValueError(f"k = {k} neighbours need at least k + 1 particles; there are {total}")
-    if not self_mode and k > total:
-        raise ValueError(f"k = {k} neighbours need at least k particles; there are {total}")
+        raise ValueError(f"{context}k must be at least 1, got {k}" if least == 1 else
+                         f"{context}knn_density needs k >= {least} (the estimator uses k - 1), "
+                         f"got {k}")
+    need = k + 1 if self_mode else k
+    if total is not None and need > total:
+        raise ValueError(f"{context}k = {k} neighbours need at least "
+                         f"{'k + 1' if self_mode else 'k'} particles; "
+                         f"{particles.format(total=total)}. Use k < {total + (not self_mode)}")
     return k
 
 
@@ -163,7 +170,7 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
          with_status, grow):
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     self_mode = query is None
-    k = _check_k(k, problem.total, self_mode, least=2 if output == "density" else 1)
+    k = check_k(k, problem.total, self_mode, least=2 if output == "density" else 1)
     query_rows, lead, m = 0, None, 0
     if not self_mode:
         flat, lead, m = _query_rows(query, problem.pencils.num_devices)
@@ -282,7 +289,7 @@ def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | N
     pencils = Pencils.from_axes(axes, particles.box_size)
     n0 = particles.size if n0 is None else int(n0)
     total = n0 * pencils.num_devices if total is None else int(total)
-    k = _check_k(k, total, query is None)
+    k = check_k(k, total, query is None)
     spec = _Spec(k, config, "neighbours" if reduce is None else "reduce", reduce, False)
     plan = Plan(pencils, config.domain, n0, ghost_width(k, total, pencils, config))
     if query is None:

@@ -13,6 +13,7 @@ reports ok when the buffers it depends on overflowed. :func:`run_sharded` builds
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -26,6 +27,30 @@ from ._layout import Layout, Pencils, width_fraction
 from ._status import Limit, Status
 
 KINDS = ("particle", "device", "replicated")
+
+# XLA:CPU's default scheduler starts independent work early, for concurrency, and so keeps
+# more buffers live at once. Its memory-minimising scheduler runs these programs as fast,
+# bit for bit, with far fewer temporaries (``benchmarks/RESULTS.md``).
+_CPU_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
+
+
+@functools.cache
+def _compiler_options(backend: str):
+    """:data:`_CPU_OPTIONS` on CPU where this jaxlib knows them, else None."""
+    if backend != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=_CPU_OPTIONS).lower(jnp.zeros(())).compile()
+    except Exception:  # an XLA without the option: its default scheduler, as before
+        return None
+    return _CPU_OPTIONS
+
+
+def jit_program(fn: Callable):
+    """``jax.jit(fn)`` for a program this library compiles for a call outside ``jit``,
+    with XLA:CPU's memory-minimising scheduler on CPU. (Inside a user's ``jit`` the user's
+    compiler options apply: pass the same to ``jax.jit(..., compiler_options=...)``.)"""
+    return jax.jit(fn, compiler_options=_compiler_options(jax.default_backend()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,10 +46,10 @@ from ._frontend import local_fields, particles_of, prepare, program_cache
 from ._geometry import grid_to_box
 from ._jaxpm import check_state_positions, resolve_pm_nc
 from ._knn import ghost_width as knn_ghost_width
-from ._knn_api import knn_density_on_plan
+from ._knn_api import check_k, knn_density_on_plan
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
-from ._pipeline import Plan, Step, on_device, plan_for, run_sharded
+from ._pipeline import Plan, Step, jit_program, on_device, plan_for, run_sharded
 from ._so import resolve_radius
 from ._retry import run_growing
 from ._saveloop import pin_to_save_loop
@@ -285,7 +285,9 @@ class InSitu:
                            _check_integer("InSitu(min_members=...): min_members",
                                           self.min_members, 1))
         if "knn_density" in self.analyses or self.centre == "peak":
-            object.__setattr__(self, "k", _check_k(self.k, self.nc))
+            object.__setattr__(self, "k", check_k(
+                self.k, None if self.nc is None else self.nc ** 3, True, least=2,
+                context=f"InSitu(k={self.k!r}): ", particles="the state holds nc**3 = {total}"))
         if self.nc is None:  # types only; pm_nc against nc once a state gives nc
             resolve_pm_nc(self.pm_nc or 1, self.pm_nc, self.paint_absolute_pos)
         else:
@@ -403,19 +405,6 @@ def _state_array(y):
     return y.astype(jnp.float32)
 
 
-def _check_k(k, nc: int | None) -> int:
-    """``k`` for knn_density: an integer, at least 2 and, once the grid is known, below the
-    particle count ``nc**3``."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise ValueError(f"InSitu(k={k!r}): k must be an integer (knn_density's neighbours)")
-    if k < 2:
-        raise ValueError(f"InSitu(k={k}): knn_density needs k >= 2 (the estimator uses k - 1)")
-    if nc is not None and k >= nc ** 3:
-        raise ValueError(f"InSitu(k={k}): k neighbours need at least k + 1 particles; the "
-                         f"state holds nc**3 = {nc ** 3}. Use k < {nc ** 3}")
-    return int(k)
-
-
 def check(outputs, insitu: "InSitu | None" = None) -> None:
     """Host-side: raise if any buffer of an in-situ run overflowed, at any snapshot.
 
@@ -514,7 +503,7 @@ def _compiled(insitu: InSitu, problem, dtype):
 
     state_spec = P(None, *layout.spec, None)
     # pin_to_save_loop: see _saveloop (one save time ran the analyses at every step).
-    return jax.jit(lambda y, a: run_sharded(layout, device, (pin_to_save_loop(y), a),
+    return jit_program(lambda y, a: run_sharded(layout, device, (pin_to_save_loop(y), a),
                                             (state_spec, P())))
 
 

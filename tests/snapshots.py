@@ -112,6 +112,17 @@ def jaxpm_snapshot(nc: int, box: float, steps: int, seed: int = 0, mesh_shape=(2
                     halo_size=halo_size, seconds=time.perf_counter() - t, cached=cached)
 
 
+def snapshot_particles(nc: int, box: float, steps: int, mesh_shape=(2, 4)):
+    """``(snapshot, particles)``: the cached snapshot's :class:`jaxpm_halos.Particles` on a
+    mesh ``mesh_shape`` of host devices, from displacements sharded over ``("x", "y")``
+    as JaxPM leaves them."""
+    import jaxpm_halos
+
+    snap = jaxpm_snapshot(nc, box, steps)
+    disp = jax.device_put(snap.disp, NamedSharding(make_mesh(mesh_shape), P("x", "y")))
+    return snap, jaxpm_halos.from_jaxpm(disp, box_size=box)
+
+
 def main(argv=None):
     import argparse
 

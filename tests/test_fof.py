@@ -453,3 +453,12 @@ def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survive
     fits = jh.FoFConfig(domain=jh.DomainConfig(ghost_factor=2.5))
     np.testing.assert_array_equal(np.asarray(run(p, fits, True)),
                                   ref.fof_labels(pos, 100.0, 2.5))
+
+
+def test_own_programs_compile_with_the_memory_minimising_scheduler_on_cpu():
+    """The jaxlib this project pins knows the option, so the fallback (XLA:CPU's default
+    scheduler, with more temporaries) is not taken silently."""
+    from jaxpm_halos._pipeline import _CPU_OPTIONS, _compiler_options
+
+    assert _compiler_options("cpu") == _CPU_OPTIONS
+    assert _compiler_options("gpu") is None
