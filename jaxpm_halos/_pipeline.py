@@ -46,11 +46,28 @@ def _compiler_options(backend: str):
     return _CPU_OPTIONS
 
 
-def jit_program(fn: Callable):
-    """``jax.jit(fn)`` for a program this library compiles for a call outside ``jit``,
-    with XLA:CPU's memory-minimising scheduler on CPU. (Inside a user's ``jit`` the user's
-    compiler options apply: pass the same to ``jax.jit(..., compiler_options=...)``.)"""
-    return jax.jit(fn, compiler_options=_compiler_options(jax.default_backend()))
+class jit_program:
+    """``jax.jit(fn)`` for a program this library compiles for its calls: called outside
+    any trace, it compiles with XLA:CPU's memory-minimising scheduler on CPU; called inside
+    a user's ``jit`` (or ``grad``, ``vmap``), it is a plain nested ``jit``, since JAX takes
+    compiler options from the outermost ``jit`` only (pass the same options to yours:
+    ``jax.jit(..., compiler_options=...)``)."""
+
+    def __init__(self, fn: Callable):
+        self.plain = jax.jit(fn)
+        self.top = jax.jit(fn, compiler_options=_compiler_options(jax.default_backend()))
+
+    def __call__(self, *args):
+        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args))
+        return (self.plain if traced else self.top)(*args)
+
+    def lower(self, *args):
+        """The program as a call outside ``jit`` compiles it."""
+        return self.top.lower(*args)
+
+    def clear_cache(self):
+        self.plain.clear_cache()
+        self.top.clear_cache()
 
 
 @dataclasses.dataclass(frozen=True)
