@@ -62,6 +62,7 @@ int32 = jnp.int32
 _PLAN_BATCHES = 64  # most batches per planning step (on accelerators: 4x _ACCELERATOR)
 _GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
 _AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
+_MERGE_SHARE = 8  # lists that a step changes are merged this share of a group at a time
 # A GPU pays a fixed cost per loop step (kernel launches and a device-to-host read of the
 # loop condition) that a CPU hardly does, so there many more batches go side by side. At
 # 128^3 on an H100 this takes kNN from 4.6 s (the CPU setting) to 0.23 s.
@@ -91,14 +92,11 @@ def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total:
     # The queries searched again are scattered: smaller batches, more of them side by side.
     again_batch = min(_AGAIN_BATCH, config.batch_size)
     chunk = _chunk_for_backend(config.chunk_size, kk)
-    # Testing candidates is cheap and merging them costs more as kk grows, so long lists
-    # test several chunks per merge (k = 32 at 128^3: 6% faster; k = 8: 5% slower); short
-    # ones merge every chunk as it comes.
-    window = chunk * max(1, kk // 16)
     gap = _GAP * uniform_knn_radius(k, total, box)
     return SearchSettings(k, kk, 1 if kth_only else k, self_mode, config.batch_size, group, again_batch,
                           group * config.batch_size // again_batch,
-                          _PLAN_BATCHES if cpu else 4 * _ACCELERATOR, chunk, window,
+                          _PLAN_BATCHES if cpu else 4 * _ACCELERATOR, chunk,
+                          max(1, group * config.batch_size // _MERGE_SHARE),
                           config.radius_factor, gap, min(0.125 * box, 4 * gap))
 
 

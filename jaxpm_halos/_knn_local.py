@@ -25,7 +25,7 @@ from ._cells import sort_rows
 from ._domain import selection
 from ._knn_frame import Index, SearchFrame, morton_of
 from ._knn_region import Queries, batch_slots, plan_region
-from ._knn_scan import scan_batch
+from ._knn_scan import scan_group
 
 int32 = jnp.int32
 EXACT, AGAIN, REMOTE = 0, 1, 2  # query status: exact (or no query), search again, cross-device
@@ -44,8 +44,8 @@ class SearchSettings(NamedTuple):
     again_batch: int  # the same for the later passes (scattered queries)
     again_group: int
     plan_batches: int  # most batches planned per planning step (and PLAN_GROUPS groups)
-    chunk: int  # candidates merged per step
-    window: int  # candidates tested per step
+    chunk: int  # candidates per step
+    merge_block: int  # lists merged together when few of a group's change
     radius_factor: float
     gap: float  # a batch ends at a gap this wide between consecutive queries
     span: float  # or this far from its first query
@@ -226,9 +226,7 @@ def _search_group(search: LocalSearch, state: SearchState, slot_query, scale: fl
     index = search.index
     q, rho_q = search.batch_queries(slot_query, state.radius)  # (G, B, ...)
     region = search.plan(q, rho_q)
-    scan = jax.vmap(functools.partial(scan_batch, index, search.frame, kk=s.kk, chunk=s.chunk,
-                                      window=s.window))
-    d2, rows = scan(q, region)  # (G, B, kk)
+    d2, rows = scan_group(index, search.frame, q, region, s.kk, s.chunk, s.merge_block)  # (G, B, kk)
     P = slot_query.size
     d2, rows = d2.reshape(P, s.kk), rows.reshape(P, s.kk)
     rho = jnp.broadcast_to(region.rho[:, None], slot_query.shape).reshape(P)

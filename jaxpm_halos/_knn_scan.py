@@ -1,14 +1,16 @@
 """The running k nearest of one batch of queries over its region's candidate rows.
 
-Shapes in comments: ``B`` queries of the batch, ``kk`` list length (k, or k + 1 when the
-query itself is among the rows), ``W`` candidates tested per step, ``C`` merged per step.
+Shapes in comments: ``G`` batches of ``B`` queries, ``P = G * B`` lists, ``kk`` list length
+(k, or k + 1 when the query itself is among the rows), ``C`` candidates per step.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._domain import selection
 from ._geometry import periodic_delta
 from ._knn_frame import Index, SearchFrame
 from ._knn_region import Queries, Region
@@ -24,15 +26,49 @@ def distance2_columns(ax, ay, az, bx, by, bz, box):
 
 
 def merge_nearest(run_d2, run_row, cand_d2, cand_row):
-    """The ``kk`` nearest of a running list ``(B, kk)`` (ascending squared distances and
-    their rows) and a chunk of candidates ``(B, C)`` (inf where absent) with rows ``(C,)``,
-    in ascending order. Equal distances keep the running list first, then candidate order.
-    """
+    """The ``kk`` nearest of running lists ``(P, kk)`` (ascending squared distances and
+    their rows) and candidates ``(P, C)`` (inf where absent) with rows ``(C,)`` (shared by
+    every list) or ``(P, C)``, in ascending order. Equal distances keep the running list
+    first, then candidate order."""
     kk = run_d2.shape[-1]
     # The running list goes first: top_k then starts from a good heap and is cheap.
-    vals, pick = lax.top_k(jnp.concatenate([-run_d2, -cand_d2], axis=-1), kk)  # (B, kk)
+    vals, pick = lax.top_k(jnp.concatenate([-run_d2, -cand_d2], axis=-1), kk)  # (P, kk)
     prev = jnp.take_along_axis(run_row, jnp.minimum(pick, kk - 1), axis=-1)
-    return -vals, jnp.where(pick < kk, prev, cand_row[jnp.maximum(pick - kk, 0)])
+    cand = jnp.maximum(pick - kk, 0)
+    new = (cand_row[cand] if cand_row.ndim == 1
+           else jnp.take_along_axis(cand_row, cand, axis=-1))
+    return -vals, jnp.where(pick < kk, prev, new)
+
+
+def merge_where_needed(run_d2, run_row, cand_d2, cand_row, wanted, block: int):
+    """:func:`merge_nearest` of the lists ``(P, kk)`` with candidates ``(P, C)`` (rows
+    ``(P, C)``), computed only for the ``wanted`` (P,) lists that some candidate would
+    change, ``block`` lists at a time, or for all at once when most need it.
+
+    A candidate that is not nearer than a list's last entry cannot enter it (equal
+    distances keep the running list first), so skipping the other lists changes nothing.
+    After the first candidates most lists are final, and the merge (``lax.top_k``, the most
+    expensive step) then runs on the few that are not.
+    """
+    P = run_d2.shape[0]
+    need = wanted & jnp.any(cand_d2 < run_d2[:, -1:], axis=1)  # (P,)
+    pick, count = selection(need, P)  # (P,) the lists to merge, P past the end
+
+    def some():
+        def merge_block(i, lists):
+            d2, row = lists
+            take = lax.dynamic_slice_in_dim(pick, i * block, block)  # (block,)
+            safe = jnp.minimum(take, P - 1)
+            m_d2, m_row = merge_nearest(d2[safe], row[safe], cand_d2[safe], cand_row[safe])
+            return (d2.at[take].set(m_d2, mode="drop"), row.at[take].set(m_row, mode="drop"))
+
+        return lax.fori_loop(0, (count + block - 1) // block, merge_block, (run_d2, run_row))
+
+    def all_lists():
+        d2, row = merge_nearest(run_d2, run_row, cand_d2, cand_row)
+        return jnp.where(wanted[:, None], d2, run_d2), jnp.where(wanted[:, None], row, run_row)
+
+    return lax.cond(count > P // 2, all_lists, some)
 
 
 def _window_rows(region: Region, cum, first, total, t0, window: int):
@@ -48,71 +84,47 @@ def _window_rows(region: Region, cum, first, total, t0, window: int):
     return jnp.where(in_range, region.start[node] + t - first[node], 0), in_range
 
 
-def _first_passing(passing, chunk: int):
-    """Positions (C,) of the first ``chunk`` True entries of ``passing`` (W,) (W where
-    fewer), and whether more than ``chunk`` passed."""
-    window = passing.shape[0]
-    rank = jnp.cumsum(passing.astype(int32)) - 1
-    take = jnp.where(passing & (rank < chunk), rank, chunk)
-    picked = jnp.full((chunk,), window, int32).at[take].set(
-        jnp.arange(window, dtype=int32), mode="drop")
-    return picked, rank[-1] >= chunk
+def scan_group(index: Index, frame: SearchFrame, q: Queries, region: Region, kk: int, chunk: int,
+               merge_block: int):
+    """The ``kk`` nearest rows of each query of G batches of B queries (``q`` (G, B, ...))
+    among its batch's region rows (``region`` (G, ...)); a query's own row is not excluded
+    here: self mode keeps ``k + 1`` and drops it at the end.
 
+    The batches step side by side through their candidates, ``chunk`` at a time: each step
+    computes the distances from every query to its batch's next ``chunk`` rows and merges
+    them into the lists they would change (:func:`merge_where_needed`, ``merge_block``
+    lists at a time). Nodes come nearest first, so after the first step few lists change.
 
-def scan_batch(index: Index, frame: SearchFrame, q: Queries, region: Region, kk: int, chunk: int,
-               window: int):
-    """The ``kk`` nearest rows of one batch of B queries among its region's rows (a query's
-    own row is not excluded here: self mode keeps ``k + 1`` and drops it at the end).
-
-    Each step computes the distances from every query to the next ``window`` candidate
-    rows, keeps the candidates nearer to some query than that query's current k-th
-    neighbour, and merges the first ``chunk`` of those into the running lists (the step
-    ends after them when more were kept). Nodes come nearest first, so after the first
-    steps few candidates are kept and a step covers a whole window: the merge, the
-    expensive part, then runs once per window rather than once per ``chunk`` candidates.
-    With ``window == chunk`` there is nothing to select, and each window is merged whole.
-
-    Returns (B, kk) squared distances (ascending, inf where fewer were found) and sorted
+    Returns (G, B, kk) squared distances (ascending, inf where fewer were found) and sorted
     rows (``R`` where none).
     """
-    B = q.canon.shape[0]
+    G, B = q.valid.shape
+    P = G * B
     R = index.rows
     box = frame.box
-    cum = jnp.cumsum(region.count)  # (NODES,)
+    cum = jnp.cumsum(region.count, axis=1)  # (G, NODES)
     first = cum - region.count
-    total = cum[-1]
-    qx, qy, qz = (q.canon[:, d][:, None] for d in range(3))  # (B, 1) each
-
-    def distances(rows):
-        return distance2_columns(qx, qy, qz, index.cx[rows][None, :], index.cy[rows][None, :],
-                                 index.cz[rows][None, :], box)
+    total = cum[:, -1]  # (G,)
+    qx, qy, qz = (q.canon[..., d][..., None] for d in range(3))  # (G, B, 1) each
+    window_rows = jax.vmap(_window_rows, in_axes=(0, 0, 0, 0, None, None))
+    valid = q.valid.reshape(P)
 
     def step(state):
         t0, run_d2, run_row = state
-        row, in_range = _window_rows(region, cum, first, total, t0, window)  # (W,)
-        local = index.local[row]  # (W, 3)
-        live = in_range & jnp.all((local >= region.lo) & (local <= region.hi), axis=1)
+        row, in_range = window_rows(region, cum, first, total, t0, chunk)  # (G, C)
+        local = index.local[row]  # (G, C, 3)
+        live = in_range & jnp.all((local >= region.lo[:, None]) & (local <= region.hi[:, None]),
+                                  axis=-1)
         # Materialise the gathered candidates: fused into the distance kernel, the gather
         # would be repeated for every query and the kernel would not vectorise.
         live, cx, cy, cz = lax.optimization_barrier((live, index.cx[row], index.cy[row],
                                                      index.cz[row]))
-        d2 = distance2_columns(qx, qy, qz, cx[None, :], cy[None, :], cz[None, :], box)
-        d2 = jnp.where(live[None, :], d2, jnp.inf)  # (B, W)
-        if window == chunk:  # nothing to select: the merge takes the whole window
-            return (t0 + window,) + merge_nearest(run_d2, run_row, d2, row)
-        # A candidate no nearer than a query's k-th cannot enter its list (ties keep the
-        # running list first); empty query slots want none.
-        kth = jnp.where(q.valid, run_d2[:, -1], -jnp.inf)
-        picked, more = _first_passing(jnp.any(d2 < kth[:, None], axis=0), chunk)  # (C,)
-        has = picked < window
-        cand_row = row[jnp.minimum(picked, window - 1)]
-        # Recomputed (same values bitwise): a column gather from d2 costs a transpose.
-        cand_d2 = jnp.where(has[None, :], distances(cand_row), jnp.inf)  # (B, C)
-        run_d2, run_row = merge_nearest(run_d2, run_row, cand_d2, jnp.where(has, cand_row, R))
-        # Resume after the last merged candidate when the window kept more than a chunk.
-        next_t0 = jnp.where(more, t0 + picked[chunk - 1] + 1, t0 + window)
-        return next_t0, run_d2, run_row
+        d2 = distance2_columns(qx, qy, qz, cx[:, None], cy[:, None], cz[:, None], box)
+        d2 = jnp.where(live[:, None], d2, jnp.inf).reshape(P, chunk)  # (P, C)
+        rows = jnp.broadcast_to(row[:, None], (G, B, chunk)).reshape(P, chunk)
+        run_d2, run_row = merge_where_needed(run_d2, run_row, d2, rows, valid, merge_block)
+        return t0 + chunk, run_d2, run_row
 
-    init = (jnp.int32(0), jnp.full((B, kk), jnp.inf, q.canon.dtype), jnp.full((B, kk), R, int32))
-    _, run_d2, run_row = lax.while_loop(lambda s: s[0] < total, step, init)
-    return run_d2, run_row
+    init = (jnp.int32(0), jnp.full((P, kk), jnp.inf, q.canon.dtype), jnp.full((P, kk), R, int32))
+    _, run_d2, run_row = lax.while_loop(lambda s: s[0] < jnp.max(total), step, init)
+    return run_d2.reshape(G, B, kk), run_row.reshape(G, B, kk)
