@@ -73,14 +73,9 @@ def timed(fn, repeats=REPEATS):
 
     The compiled programs are dropped afterwards: every one keeps its JIT code mapped, and a
     full run would otherwise pass the kernel's ``vm.max_map_count`` (see README)."""
-    t = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    first = time.perf_counter() - t
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        result = jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
+    from insitu_save_times import min_time
+
+    result, first, best = min_time(fn, repeats)
     jh.clear_caches()
     return first, best, result
 

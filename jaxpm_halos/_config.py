@@ -94,7 +94,8 @@ class KNNConfig:
       ghost_factor: see ``ghost_width``.
       batch_size: queries searched together; each batch of spatially consecutive queries
         shares one set of candidate rows.
-      chunk_size: candidates merged into the running k nearest per step.
+      chunk_size: candidates per step, merged into the running k nearest of the queries
+        they come nearer to.
       group_size: batches processed side by side in one step (vectorised). Queries searched
         again (their k-th neighbour lay beyond the first search) are scattered: they go in
         batches of at most 4, with ``batch_size * group_size`` queries per step. ``None``

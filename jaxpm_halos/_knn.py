@@ -13,9 +13,10 @@ The search is split in rooms, each with one job:
   queries (a batch ends early at a gap). A batch searches the box ``bbox(batch) + rho``,
   enumerated as at most 64 octree nodes of the finest level that covers it, nearest
   first; ``rho`` is estimated from the batch's own density.
-- :mod:`._knn_scan`: a batch steps through its candidates, tests a window of them against
-  every query's current k-th distance and merges up to ``chunk_size`` of those that pass
-  into the running k nearest (``lax.top_k`` with the running list first).
+- :mod:`._knn_scan`: the batches of a group step through their candidates side by side,
+  ``chunk_size`` at a time; each step merges them (``lax.top_k`` with the running list
+  first) into the lists of the queries that some candidate is nearer to than their
+  current k-th neighbour, and leaves the other lists as they are.
 - :mod:`._knn_local`: passes over the queries. Batches are ordered by work and scanned
   ``group_size`` at a time. A query is exact when its k-th distance is at most its
   distance to the boundary of the region known complete; others are searched again with
