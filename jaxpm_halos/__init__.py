@@ -13,6 +13,7 @@ from ._frontend import clear_caches
 from ._jaxpm import from_jaxpm
 from ._knn_api import knn, knn_density, knn_local, knn_on_decomposition
 from ._particles import Particles
+from ._pipeline import compiler_options
 from ._retry import GrowthWarning
 from ._so import spherical_overdensity
 from ._status import CapacityError, Failure, FailureKind, InvalidInputError, Status
@@ -43,6 +44,7 @@ __all__ = [
     "InSitu",
     "Snapshot",
     "check_insitu",
+    "compiler_options",
     "register",
     # JaxPM reverse mode
     "correct_jaxpm_adjoints",

@@ -46,6 +46,21 @@ def _compiler_options(backend: str):
     return _CPU_OPTIONS
 
 
+def compiler_options():
+    """Options for the ``jax.jit`` of your own program that runs this library's analyses
+    (a simulation step or solve with :class:`~jaxpm_halos.InSitu`):
+    ``jax.jit(simulate, compiler_options=jaxpm_halos.compiler_options())``.
+
+    On CPU it selects XLA's memory-minimising scheduler, as this library's own calls do
+    outside ``jit``: XLA:CPU's default scheduler starts independent work early, for
+    concurrency, and so keeps more buffers live at once. The results are the same bits
+    (``benchmarks/RESULTS.md`` has the measured temporaries and times). Elsewhere, and with
+    a jaxlib that does not know the option, it returns None: JAX's defaults.
+    """
+    options = _compiler_options(jax.default_backend())
+    return None if options is None else dict(options)
+
+
 class jit_program:
     """``jax.jit(fn)`` for a program this library compiles for its calls: called outside
     any trace, it compiles with XLA:CPU's memory-minimising scheduler on CPU; called inside

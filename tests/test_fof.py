@@ -462,3 +462,18 @@ def test_own_programs_compile_with_the_memory_minimising_scheduler_on_cpu():
 
     assert _compiler_options("cpu") == _CPU_OPTIONS
     assert _compiler_options("gpu") is None
+
+
+def test_compiler_options_for_a_users_jit_give_the_same_bits():
+    """``jaxpm_halos.compiler_options()`` (XLA's memory-minimising scheduler on CPU) in a
+    user's own jit changes the schedule, not the results; it is a fresh dict per call."""
+    options = jh.compiler_options()
+    assert options == {"xla_cpu_enable_concurrency_optimized_scheduler": False}
+    options["changed"] = True
+    assert "changed" not in jh.compiler_options()
+    pos = np.random.default_rng(3).uniform(0, 8.0, (512, 3)).astype(np.float32)
+    step = lambda p: (jh.knn_density(p, 8.0, 8), jh.fof(p, 8.0, 0.5, min_members=2)[0])
+    plain = jax.jit(step)(pos)
+    tuned = jax.jit(step, compiler_options=jh.compiler_options())(pos)
+    for a, b in zip(plain, tuned):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
