@@ -45,7 +45,7 @@ class SearchSettings(NamedTuple):
     again_group: int
     plan_batches: int  # most batches planned per planning step (and PLAN_GROUPS groups)
     chunk: int  # candidates per step
-    merge_block: int  # lists merged together when few of a group's change
+    merge_block: int  # lists merged together when few of a group's change (all: P)
     radius_factor: float
     gap: float  # a batch ends at a gap this wide between consecutive queries
     span: float  # or this far from its first query
@@ -226,7 +226,8 @@ def _search_group(search: LocalSearch, state: SearchState, slot_query, scale: fl
     index = search.index
     q, rho_q = search.batch_queries(slot_query, state.radius)  # (G, B, ...)
     region = search.plan(q, rho_q)
-    d2, rows = scan_group(index, search.frame, q, region, s.kk, s.chunk, s.merge_block)  # (G, B, kk)
+    d2, rows = scan_group(index, search.frame, q, region, s.kk, s.chunk,
+                          s.merge_block)  # (G, B, kk)
     P = slot_query.size
     d2, rows = d2.reshape(P, s.kk), rows.reshape(P, s.kk)
     rho = jnp.broadcast_to(region.rho[:, None], slot_query.shape).reshape(P)

@@ -1,4 +1,4 @@
-"""The running k nearest of one batch of queries over its region's candidate rows.
+"""The running k nearest of a group of query batches over their regions' candidate rows.
 
 Shapes in comments: ``G`` batches of ``B`` queries, ``P = G * B`` lists, ``kk`` list length
 (k, or k + 1 when the query itself is among the rows), ``C`` candidates per step.
@@ -43,7 +43,8 @@ def merge_nearest(run_d2, run_row, cand_d2, cand_row):
 def merge_where_needed(run_d2, run_row, cand_d2, cand_row, wanted, block: int):
     """:func:`merge_nearest` of the lists ``(P, kk)`` with candidates ``(P, C)`` (rows
     ``(P, C)``), computed only for the ``wanted`` (P,) lists that some candidate would
-    change, ``block`` lists at a time, or for all at once when most need it.
+    change, ``block`` lists at a time, or for all at once when most need it (or when
+    ``block >= P``).
 
     A candidate that is not nearer than a list's last entry cannot enter it (equal
     distances keep the running list first), so skipping the other lists changes nothing.
@@ -51,6 +52,13 @@ def merge_where_needed(run_d2, run_row, cand_d2, cand_row, wanted, block: int):
     expensive step) then runs on the few that are not.
     """
     P = run_d2.shape[0]
+
+    def all_lists():
+        d2, row = merge_nearest(run_d2, run_row, cand_d2, cand_row)
+        return jnp.where(wanted[:, None], d2, run_d2), jnp.where(wanted[:, None], row, run_row)
+
+    if block >= P:
+        return all_lists()
     need = wanted & jnp.any(cand_d2 < run_d2[:, -1:], axis=1)  # (P,)
     pick, count = selection(need, P)  # (P,) the lists to merge, P past the end
 
@@ -63,10 +71,6 @@ def merge_where_needed(run_d2, run_row, cand_d2, cand_row, wanted, block: int):
             return (d2.at[take].set(m_d2, mode="drop"), row.at[take].set(m_row, mode="drop"))
 
         return lax.fori_loop(0, (count + block - 1) // block, merge_block, (run_d2, run_row))
-
-    def all_lists():
-        d2, row = merge_nearest(run_d2, run_row, cand_d2, cand_row)
-        return jnp.where(wanted[:, None], d2, run_d2), jnp.where(wanted[:, None], row, run_row)
 
     return lax.cond(count > P // 2, all_lists, some)
 
