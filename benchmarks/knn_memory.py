@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxpm_halos  # noqa: E402
 from conftest import make_mesh  # noqa: E402
-from jaxpm_halos._pipeline import jit_program  # noqa: E402
+from jaxpm_halos._pipeline import JitProgram  # noqa: E402
 
 
 def main(argv=None):
@@ -51,7 +51,7 @@ def main(argv=None):
            "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k)}
     for what in args.what:
         plain = jax.jit(fns[what]).lower(x).compile().memory_analysis().temp_size_in_bytes
-        compiled = jit_program(fns[what]).lower(x).compile()
+        compiled = JitProgram(fns[what]).lower(x).compile()
         stats = compiled.memory_analysis()
         temp = stats.temp_size_in_bytes * len(jax.devices())
         print(f"{args.nc}^3 k={args.k} {what}: XLA temp {temp / n:.0f} B/particle "

@@ -322,13 +322,13 @@ with open('/proc/self/clear_refs', 'w') as f:
 base = rss('VmRSS')
 jax.block_until_ready(fn())
 warm = rss('VmHWM') - base
-from jaxpm_halos._pipeline import jit_program
+from jaxpm_halos._pipeline import JitProgram
 
 def temporaries(jitted):
     stats = jitted.lower(x).compile().memory_analysis()
     return stats.temp_size_in_bytes * len(jax.devices()) if stats is not None else -1
 
-print('RSS', first, warm, temporaries(jax.jit(fn_of)), temporaries(jit_program(fn_of)))
+print('RSS', first, warm, temporaries(jax.jit(fn_of)), temporaries(JitProgram(fn_of)))
 """
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -27,7 +27,7 @@ from ._frontend import (Problem, local_fields, local_valid, prepare, program_cac
 from ._knn import ghost_width as knn_width
 from ._knn_api import check_k, knn_density_on_plan
 from ._particles import _check_integer
-from ._pipeline import Plan, Step, jit_program, on_device, plan_for, run_sharded
+from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._so import check_densities, resolve_radius, search_width, so_on_decomposition
 from ._status import Limit, is_traced
@@ -191,7 +191,7 @@ def _fof_program(problem: Problem, in_specs, linking_length: float, min_members:
         out = run_sharded(layout, device, args, in_specs)["fof"]
         return out["labels"], out["catalogue"]
 
-    return jit_program(run)
+    return JitProgram(run)
 
 
 def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,

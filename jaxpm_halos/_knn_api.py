@@ -20,7 +20,7 @@ from ._geometry import wrap
 from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances
 from ._layout import Pencils
 from ._particles import Particles
-from ._pipeline import Plan, Step, analyse, jit_program, on_device, plan_for, run_sharded
+from ._pipeline import JitProgram, Plan, Step, analyse, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._status import is_traced
 
@@ -123,7 +123,7 @@ def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
         valid = local_valid(problem, fields["pos"].shape[0])
         return on_device(plan, fields, valid, shape, {"knn": step})
 
-    return jit_program(lambda *args: run_sharded(layout, device, args, in_specs)["knn"])
+    return JitProgram(lambda *args: run_sharded(layout, device, args, in_specs)["knn"])
 
 
 def check_k(k, total: int | None, self_mode: bool, least: int = 1, context: str = "",

@@ -61,7 +61,7 @@ def compiler_options():
     return None if options is None else dict(options)
 
 
-class jit_program:
+class JitProgram:
     """``jax.jit(fn)`` for a program this library compiles for its calls: called outside
     any trace, it compiles with XLA:CPU's memory-minimising scheduler on CPU; called inside
     a user's ``jit`` (or ``grad``, ``vmap``), it is a plain nested ``jit``, since JAX takes

@@ -46,7 +46,7 @@ from ._frontend import Problem, local_fields, local_valid, prepare, program_cach
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils
 from ._particles import _check_integer
-from ._pipeline import Plan, Step, jit_program, on_device, plan_for, run_sharded
+from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._status import InvalidInputError, Limit, Status, is_traced
 
@@ -331,7 +331,7 @@ def _so_program(problem: Problem, in_specs, config: SOConfig, radius: float):
         return on_device(plan, fields, valid, shape, {"so": step})
 
     specs = tuple(in_specs) + (P(), P())
-    return jit_program(lambda *args: run_sharded(layout, device, args, specs)["so"])
+    return JitProgram(lambda *args: run_sharded(layout, device, args, specs)["so"])
 
 
 def check_densities(density):

@@ -49,7 +49,7 @@ from ._knn import ghost_width as knn_ghost_width
 from ._knn_api import check_k, knn_density_on_plan
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
-from ._pipeline import Plan, Step, jit_program, on_device, plan_for, run_sharded
+from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
 from ._so import resolve_radius
 from ._retry import run_growing
 from ._saveloop import pin_to_save_loop
@@ -503,8 +503,8 @@ def _compiled(insitu: InSitu, problem, dtype):
 
     state_spec = P(None, *layout.spec, None)
     # pin_to_save_loop: see _saveloop (one save time ran the analyses at every step).
-    return jit_program(lambda y, a: run_sharded(layout, device, (pin_to_save_loop(y), a),
-                                            (state_spec, P())))
+    return JitProgram(lambda y, a: run_sharded(layout, device, (pin_to_save_loop(y), a),
+                                               (state_spec, P())))
 
 
 def _grid_positions(disp, pencils: Pencils, nc: int):
