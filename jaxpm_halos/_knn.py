@@ -63,9 +63,9 @@ int32 = jnp.int32
 _PLAN_BATCHES = 64  # most batches per planning step (on accelerators: 4x _ACCELERATOR)
 _GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
 _AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
-# On CPU the lists a scan step changes are merged an eighth of a group at a time (64^3:
-# k = 32 10% faster, k = 16 2%). Accelerators merge every list at each step, as before:
-# the cond and the loop would add host round trips per step there, and are unmeasured.
+# On CPU the lists a scan step changes are merged an eighth of a group at a time (measured
+# in benchmarks/RESULTS.md). Accelerators merge every list at each step, as before: the
+# cond and the loop would add host round trips per step there, and are unmeasured.
 _MERGE_SHARE = 8
 # A GPU pays a fixed cost per loop step (kernel launches and a device-to-host read of the
 # loop condition) that a CPU hardly does, so there many more batches go side by side. At

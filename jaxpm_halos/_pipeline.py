@@ -24,7 +24,7 @@ from ._config import CAPACITY, GHOSTS, IMAGES, TRANSFER, DomainConfig, Knob
 from ._domain import Decomposition, Migrated, decompose, migrate, pmax_all, psum_all, return_trip
 from ._domain import with_ghosts
 from ._layout import Layout, Pencils, width_fraction
-from ._status import Limit, Status
+from ._status import Limit, Status, is_traced
 
 KINDS = ("particle", "device", "replicated")
 
@@ -73,8 +73,7 @@ class JitProgram:
         self.top = jax.jit(fn, compiler_options=_compiler_options(jax.default_backend()))
 
     def __call__(self, *args):
-        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args))
-        return (self.plain if traced else self.top)(*args)
+        return (self.plain if is_traced(args) else self.top)(*args)
 
     def lower(self, *args):
         """The program as a call outside ``jit`` compiles it."""
