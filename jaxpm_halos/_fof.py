@@ -42,6 +42,21 @@ int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max
 
 
+def z_image_rows(ext: Extended, width: float, box_size: float, rows: int):
+    """The periodic images along z of the rows within ``width`` of z = 0 (placed at
+    z + L) and of z = L (at z - L), ``rows`` of each.
+
+    Returns the extended row (2 rows,) each image copies, its side (2 rows,) (+1: at
+    z + L, -1: at z - L), its validity, and the rows the images needed.
+    """
+    z = ext.pos[:, 2]
+    low, n_low = selection(ext.valid & (z < width), rows)
+    high, n_high = selection(ext.valid & (z >= box_size - width), rows)
+    side = jnp.concatenate([jnp.ones(rows, jnp.int8), jnp.full(rows, -1, jnp.int8)])
+    valid = jnp.concatenate([jnp.arange(rows) < n_low, jnp.arange(rows) < n_high])
+    return jnp.concatenate([low, high]), side, valid, jnp.maximum(n_low, n_high)
+
+
 def z_images(ext: Extended, width: float, box_size: float, rows: int):
     """Append periodic images along z of the rows within ``width`` of z = 0 and z = L.
 
@@ -49,15 +64,11 @@ def z_images(ext: Extended, width: float, box_size: float, rows: int):
     validity, the extended row each image copies, and the rows the images needed.
     """
     pos = ext.local_pos(box_size)
-    z = ext.pos[:, 2]
-    low, n_low = selection(ext.valid & (z < width), rows)
-    high, n_high = selection(ext.valid & (z >= box_size - width), rows)
-    source = jnp.concatenate([low, high])
-    shift = jnp.concatenate([jnp.full(rows, box_size), jnp.full(rows, -box_size)]).astype(pos.dtype)
+    source, side, image_valid, need = z_image_rows(ext, width, box_size, rows)
+    shift = box_size * side.astype(pos.dtype)
     image_pos = jnp.take(pos, source, axis=0, mode="fill", fill_value=0).at[:, 2].add(shift)
-    image_valid = jnp.concatenate([jnp.arange(rows) < n_low, jnp.arange(rows) < n_high])
     return (jnp.concatenate([pos, image_pos]), jnp.concatenate([ext.valid, image_valid]),
-            source, jnp.maximum(n_low, n_high))
+            source, need)
 
 
 def local_components(ext: Extended, pencils: Pencils, linking_length: float, width: float,

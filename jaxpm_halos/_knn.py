@@ -67,6 +67,9 @@ _AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
 # in benchmarks/RESULTS.md). Accelerators merge every list at each step, as before: the
 # cond and the loop would add host round trips per step there, and are unmeasured.
 _MERGE_SHARE = 8
+# The first pass leaves batches of fewer than batch_size / 4 queries (scattered queries, in
+# voids) to the later passes' smaller batches (measured in benchmarks/RESULTS.md).
+_LEAST_SHARE = 4
 # A GPU pays a fixed cost per loop step (kernel launches and a device-to-host read of the
 # loop condition) that a CPU hardly does, so there many more batches go side by side. At
 # 128^3 on an H100 this takes kNN from 4.6 s (the CPU setting) to 0.23 s.
@@ -98,7 +101,8 @@ def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total:
     chunk = _chunk_for_backend(config.chunk_size, kk)
     gap = _GAP * uniform_knn_radius(k, total, box)
     lists = group * config.batch_size  # per step
-    return SearchSettings(k, kk, 1 if kth_only else k, self_mode, config.batch_size, group,
+    return SearchSettings(k, kk, 1 if kth_only else k, self_mode, config.batch_size,
+                          max(1, config.batch_size // _LEAST_SHARE), group,
                           again_batch, lists // again_batch,
                           _PLAN_BATCHES if cpu else 4 * _ACCELERATOR, chunk,
                           max(1, lists // _MERGE_SHARE) if cpu else lists,
@@ -173,7 +177,7 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
     index, need_images = build_index(frame, ext, origin, plan.image_rows)
     self_mode = queries is None
     if self_mode:
-        q, home = owned_queries(index, ext.owned)
+        q, home = owned_queries(index, ext.owned, frame.box)
     else:
         q, home = point_queries(frame, index, origin, lax.stop_gradient(queries[0]), queries[1])
     settings = _settings(k, self_mode, kth_only, config, total, pencils.box_size)

@@ -17,7 +17,7 @@ from jax import lax
 
 from ._cells import MORTON_BITS, morton_key, sort_rows
 from ._config import KNNConfig
-from ._fof import z_images
+from ._fof import z_image_rows
 from ._layout import Pencils
 
 int32 = jnp.int32
@@ -96,6 +96,22 @@ def morton_of(frame: SearchFrame, local, origin, valid):
     return jnp.where(valid, morton_key(cell[:, 0], cell[:, 1], cell[:, 2]), SENTINEL)
 
 
+def image_code(sx, sy, sz):
+    """One int8 (...,) for the periodic image ``(sx, sy, sz)`` (each -1, 0 or 1) that
+    places a row in the device's frame: two bits per axis."""
+    return ((sx + 1) | ((sy + 1) << 2) | ((sz + 1) << 4)).astype(jnp.int8)
+
+
+def in_frame(cx, cy, cz, code, box: float):
+    """Frame positions (..., 3) of canonical coordinates ``cx, cy, cz`` (...,) in the
+    periodic image ``code`` (...,) (:func:`image_code`): the canonical position plus ``box``
+    times the image, rounded as the decomposition rounds it (``Extended.local_pos``)."""
+    code = code.astype(int32)
+    shifts = tuple(((code >> (2 * d)) & 3) - 1 for d in range(3))
+    return jnp.stack([c + box * s.astype(c.dtype) for c, s in zip((cx, cy, cz), shifts)],
+                     axis=-1)
+
+
 class Index(NamedTuple):
     """One device's rows (owned, ghosts, z images) sorted by Morton key, so that every
     octree node at every level is one contiguous range of rows.
@@ -104,7 +120,8 @@ class Index(NamedTuple):
       key: (R,) sorted keys, ``SENTINEL`` after the ``n`` valid rows.
       cx, cy, cz: (R,) canonical positions (stopped gradients), one array per coordinate
         (contiguous loads in the distance kernels); every distance is computed from them.
-      local: (R, 3) positions in the device's frame.
+      image: (R,) int8 the periodic image that places each row in the device's frame
+        (:func:`image_code`); :meth:`local` gives the positions there.
       ext_row: (R,) extended row (:class:`~._domain.Extended`) each sorted row copies.
       ext_id: (E,) the extended rows' global ids (the decomposition's own array).
       owned: (R,) bool: an owned row itself (not a ghost, not an image).
@@ -115,7 +132,7 @@ class Index(NamedTuple):
     cx: jax.Array
     cy: jax.Array
     cz: jax.Array
-    local: jax.Array
+    image: jax.Array
     ext_row: jax.Array
     ext_id: jax.Array
     owned: jax.Array
@@ -133,20 +150,31 @@ class Index(NamedTuple):
         """Canonical positions (..., 3) of sorted rows (...,)."""
         return jnp.stack([self.cx[rows], self.cy[rows], self.cz[rows]], axis=-1)
 
+    def local(self, rows, box: float):
+        """Positions (..., 3) of sorted rows (...,) in the device's frame."""
+        return in_frame(self.cx[rows], self.cy[rows], self.cz[rows], self.image[rows], box)
+
 
 def build_index(frame: SearchFrame, ext, origin, image_rows: int):
-    """Sort a device's extended rows plus z images. Returns ``(index, need_images)``."""
-    local, valid, source, need_images = z_images(ext, frame.width, frame.box, image_rows)
+    """Sort a device's extended rows plus z images. Returns ``(index, need_images)``.
+
+    Rows are held as canonical coordinates and an image code: no (R, 3) array of frame
+    positions is ever stored, sorted or not (they are recomputed where needed)."""
+    source, side, image_valid, need_images = z_image_rows(ext, frame.width, frame.box,
+                                                          image_rows)
     n_ext = ext.pos.shape[0]
+    valid = jnp.concatenate([ext.valid, image_valid])  # (R,)
+    ext_row = jnp.where(valid, jnp.concatenate([jnp.arange(n_ext, dtype=int32), source]), 0)
+    image = ext.image[ext_row]  # (R, 2)
+    code = image_code(image[:, 0], image[:, 1],
+                      jnp.concatenate([jnp.zeros((n_ext,), jnp.int8), side]))
     canon_ext = lax.stop_gradient(ext.pos)  # (E, 3)
-    local = lax.stop_gradient(local)  # (R, 3)
-    ext_row = jnp.concatenate([jnp.arange(n_ext, dtype=int32), source])
-    ext_row = jnp.where(valid, ext_row, 0)
+    local = in_frame(*(canon_ext[:, d][ext_row] for d in range(3)), code, frame.box)
     key, order = sort_rows(morton_of(frame, local, origin, valid))
     owned = (order < ext.owned) & (key != SENTINEL)
     sorted_ext_row = ext_row[order]
     # One coordinate at a time: no (R, 3) copy of the canonical positions.
     cx, cy, cz = (canon_ext[:, d][sorted_ext_row] for d in range(3))
-    index = Index(key, cx, cy, cz, local[order], sorted_ext_row, ext.id, owned,
+    index = Index(key, cx, cy, cz, code[order], sorted_ext_row, ext.id, owned,
                   jnp.sum(valid, dtype=int32))
     return index, need_images

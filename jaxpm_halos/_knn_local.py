@@ -40,6 +40,7 @@ class SearchSettings(NamedTuple):
     kept: int  # neighbours kept per query: k, or 1 (the k-th) for a density of equal masses
     self_mode: bool
     batch: int  # queries per batch, first pass
+    least: int  # fewest queries of a batch in the first pass (fewer: left to the later)
     group: int  # batches scanned side by side, first pass
     again_batch: int  # the same for the later passes (scattered queries)
     again_group: int
@@ -75,12 +76,13 @@ class QueryTable(NamedTuple):
     """The queries in key order: ``rows`` (n,) the sorted index row where each query's key
     sits (its own row for owned particles), ``valid`` (n,), and for query points their
     ``points`` (n, 3) (None for the owned particles: read from the index, so the table
-    holds one int per query)."""
+    holds one int per query); ``box`` the box size."""
 
     index: Index
     rows: jax.Array
     valid: jax.Array
     points: jax.Array | None
+    box: float
 
     @property
     def size(self) -> int:
@@ -88,7 +90,9 @@ class QueryTable(NamedTuple):
 
     def local(self, i):
         """Frame positions (..., 3) of queries ``i`` (...,)."""
-        return self.index.local[self.rows[i]] if self.points is None else self.points[i]
+        if self.points is not None:
+            return self.points[i]
+        return self.index.local(self.rows[i], self.box)
 
     def canon(self, i):
         """Canonical positions (..., 3) of queries ``i``."""
@@ -106,13 +110,13 @@ class QueryTable(NamedTuple):
         return Queries.make(self.local(i), self.canon(i), self.id(i), on, self.rows[i])
 
 
-def owned_queries(index: Index, n_q: int):
+def owned_queries(index: Index, n_q: int, box: float):
     """The owned rows as queries, in key order. Returns ``(queries, home)``: ``home`` (n,)
     the owned row of each query (``n`` for padding)."""
     rows, count = selection(index.owned, n_q)  # (n,)
     valid = jnp.arange(n_q) < count
     rows = jnp.clip(rows, 0, index.rows - 1)
-    return QueryTable(index, rows, valid, None), jnp.where(valid, index.ext_row[rows], n_q)
+    return QueryTable(index, rows, valid, None, box), jnp.where(valid, index.ext_row[rows], n_q)
 
 
 def point_queries(frame: SearchFrame, index: Index, origin, qpos, qvalid):
@@ -121,7 +125,8 @@ def point_queries(frame: SearchFrame, index: Index, origin, qpos, qvalid):
     n_q = qpos.shape[0]
     key, order = sort_rows(morton_of(frame, qpos, origin, qvalid))
     valid = jnp.arange(n_q) < jnp.sum(qvalid, dtype=int32)
-    table = QueryTable(index, jnp.searchsorted(index.key, key).astype(int32), valid, qpos[order])
+    table = QueryTable(index, jnp.searchsorted(index.key, key).astype(int32), valid, qpos[order],
+                       frame.box)
     return table, jnp.where(valid, order, n_q)
 
 
@@ -243,24 +248,38 @@ def _search_group(search: LocalSearch, state: SearchState, slot_query, scale: fl
                        put(state.status, status), put(state.codes, codes))
 
 
+def _fill(slot, n: int, batch: int):
+    """Queries (n,) in the batch of each query's slot (``slot`` (n,), ``n`` for none)."""
+    n_batches = -(-n // batch)
+    of_batch = jnp.where(slot < n, slot // batch, n_batches)
+    per_batch = jnp.zeros((n_batches + 1,), int32).at[of_batch].add(1)
+    return per_batch[of_batch]
+
+
 def search_pass(search: LocalSearch, state: SearchState, batch: int, group: int,
-                scale: float) -> SearchState:
+                scale: float, least: int = 1) -> SearchState:
     """Search every query whose status is ``AGAIN``, in batches of up to ``batch``
     consecutive queries, ``group`` batches side by side in order of decreasing work (so
-    batches stepping together have about as many candidates). Queries that found no slot
-    stay ``AGAIN`` for the next pass."""
+    batches stepping together have about as many candidates). Batches of fewer than
+    ``least`` queries (scattered queries, in voids) are left, with the queries that found
+    no slot, ``AGAIN`` for the next pass, whose batches are smaller: here most of their
+    lists would be empty."""
     n = state.status.shape[0]
     pick, count = selection(state.status == AGAIN, n)  # (n,)
     live = jnp.arange(n) < count
     slot, used = batch_slots(search.queries.local(jnp.minimum(pick, n - 1)), live, batch,
                              search.settings.gap, search.settings.span)
+    if least > 1:
+        slot = jnp.where(_fill(slot, n, batch) >= least, slot, n)
     per_group = group * batch
     n_slots = -(-n // per_group) * per_group
     slots = jnp.full((n_slots,), n, int32).at[slot].set(jnp.where(live, pick, n), mode="drop")
     slots = slots.reshape(n_slots // batch, batch)  # (S / B, B)
     plan_batches = min(group * PLAN_GROUPS, search.settings.plan_batches)
     work = _batch_work(search, slots, used, state.radius, batch, plan_batches)
-    _, order = sort_rows(-work)
+    # Batches with queries first (a batch left empty has no work either), most work first.
+    _, order = sort_rows(jnp.where(jnp.any(slots < n, axis=1), -work, 1))
+    used = jnp.sum(jnp.any(slots < n, axis=1), dtype=int32) * batch
 
     def step(carry):
         i, state = carry
@@ -277,7 +296,7 @@ def search_locally(search: LocalSearch, state: SearchState, scale: float) -> Sea
     lay beyond the region they searched, with that distance as radius, until every query
     is exact or needs the cross-device pass. Later passes reuse one program."""
     s = search.settings
-    state = search_pass(search, state, s.batch, s.group, scale)
+    state = search_pass(search, state, s.batch, s.group, scale, least=s.least)
     return lax.while_loop(
         lambda st: jnp.any(st.status == AGAIN),
         lambda st: search_pass(search, st, s.again_batch, s.again_group, scale), state)

@@ -12,7 +12,7 @@ from jax import lax
 
 from ._domain import selection
 from ._geometry import periodic_delta
-from ._knn_frame import Index, SearchFrame
+from ._knn_frame import Index, SearchFrame, in_frame
 from ._knn_region import Queries, Region
 
 int32 = jnp.int32
@@ -116,13 +116,13 @@ def scan_group(index: Index, frame: SearchFrame, q: Queries, region: Region, kk:
     def step(state):
         t0, run_d2, run_row = state
         row, in_range = window_rows(region, cum, first, total, t0, chunk)  # (G, C)
-        local = index.local[row]  # (G, C, 3)
+        cx, cy, cz = index.cx[row], index.cy[row], index.cz[row]  # (G, C) each
+        local = in_frame(cx, cy, cz, index.image[row], box)  # (G, C, 3)
         live = in_range & jnp.all((local >= region.lo[:, None]) & (local <= region.hi[:, None]),
                                   axis=-1)
         # Materialise the gathered candidates: fused into the distance kernel, the gather
         # would be repeated for every query and the kernel would not vectorise.
-        live, cx, cy, cz = lax.optimization_barrier((live, index.cx[row], index.cy[row],
-                                                     index.cz[row]))
+        live, cx, cy, cz = lax.optimization_barrier((live, cx, cy, cz))
         d2 = distance2_columns(qx, qy, qz, cx[:, None], cy[:, None], cz[:, None], box)
         d2 = jnp.where(live[:, None], d2, jnp.inf).reshape(P, chunk)  # (P, C)
         rows = jnp.broadcast_to(row[:, None], (G, B, chunk)).reshape(P, chunk)
