@@ -165,9 +165,10 @@ def build_index(frame: SearchFrame, ext, origin, image_rows: int):
     n_ext = ext.pos.shape[0]
     valid = jnp.concatenate([ext.valid, image_valid])  # (R,)
     ext_row = jnp.where(valid, jnp.concatenate([jnp.arange(n_ext, dtype=int32), source]), 0)
-    image = ext.image[ext_row]  # (R, 2)
-    code = image_code(image[:, 0], image[:, 1],
-                      jnp.concatenate([jnp.zeros((n_ext,), jnp.int8), side]))
+    # Coded apart and joined as int8: no (R, 2) image or (R,) int32 array is formed.
+    images = ext.image[jnp.minimum(source, n_ext - 1)]  # (2 image_rows, 2)
+    code = jnp.concatenate([image_code(ext.image[:, 0], ext.image[:, 1], 0),
+                            image_code(images[:, 0], images[:, 1], side)])  # (R,) int8
     canon_ext = lax.stop_gradient(ext.pos)  # (E, 3)
     local = in_frame(*(canon_ext[:, d][ext_row] for d in range(3)), code, frame.box)
     key, order = sort_rows(morton_of(frame, local, origin, valid))
