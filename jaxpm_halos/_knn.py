@@ -5,8 +5,9 @@ The search is split in rooms, each with one job:
 
 - :mod:`._knn_frame`: the ghost width, the device's frame, and its rows (owned, ghosts of
   width ``w``, periodic images along z) sorted by Morton key, so every octree node at
-  every level is one contiguous range of rows (the :class:`~._knn_frame.Index`). ``w``
-  defaults to twice the k-th neighbour distance of a uniform density, capped at the
+  every level is one contiguous range of rows (the :class:`~._knn_frame.Index`), each held
+  as its canonical coordinates and a one-byte periodic image (its position in the frame
+  is recomputed where needed, bitwise as the decomposition forms it). ``w`` defaults to twice the k-th neighbour distance of a uniform density, capped at the
   pencil width.
 - :mod:`._knn_region`: queries (owned particles, or query points migrated to the pencil
   that holds them) are taken in key order, in batches of up to ``batch_size`` consecutive
@@ -18,7 +19,8 @@ The search is split in rooms, each with one job:
   first) into the lists of the queries that some candidate is nearer to than their
   current k-th neighbour, and leaves the other lists as they are.
 - :mod:`._knn_local`: passes over the queries. Batches are ordered by work and scanned
-  ``group_size`` at a time. A query is exact when its k-th distance is at most its
+  ``group_size`` at a time (on CPU, batches under a quarter full are left to the later
+  passes). A query is exact when its k-th distance is at most its
   distance to the boundary of the region known complete; others are searched again with
   their k-th distance as radius (batches of at most 4), until every query is exact or its
   sphere leaves the ghost layer. Each batch's lists are finished at once (self dropped,
@@ -67,8 +69,9 @@ _AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
 # in benchmarks/RESULTS.md). Accelerators merge every list at each step, as before: the
 # cond and the loop would add host round trips per step there, and are unmeasured.
 _MERGE_SHARE = 8
-# The first pass leaves batches of fewer than batch_size / 4 queries (scattered queries, in
-# voids) to the later passes' smaller batches (measured in benchmarks/RESULTS.md).
+# On CPU the first pass leaves batches of fewer than batch_size / 4 queries (scattered
+# queries, in voids) to the later passes' smaller batches (measured in benchmarks/RESULTS.md;
+# unmeasured on accelerators, which keep every batch in the first pass).
 _LEAST_SHARE = 4
 # A GPU pays a fixed cost per loop step (kernel launches and a device-to-host read of the
 # loop condition) that a CPU hardly does, so there many more batches go side by side. At
@@ -102,7 +105,7 @@ def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total:
     gap = _GAP * uniform_knn_radius(k, total, box)
     lists = group * config.batch_size  # per step
     return SearchSettings(k, kk, 1 if kth_only else k, self_mode, config.batch_size,
-                          max(1, config.batch_size // _LEAST_SHARE), group,
+                          max(1, config.batch_size // _LEAST_SHARE) if cpu else 1, group,
                           again_batch, lists // again_batch,
                           _PLAN_BATCHES if cpu else 4 * _ACCELERATOR, chunk,
                           max(1, lists // _MERGE_SHARE) if cpu else lists,
