@@ -260,10 +260,10 @@ def search_pass(search: LocalSearch, state: SearchState, batch: int, group: int,
                 scale: float, least: int = 1) -> SearchState:
     """Search every query whose status is ``AGAIN``, in batches of up to ``batch``
     consecutive queries, ``group`` batches side by side in order of decreasing work (so
-    batches stepping together have about as many candidates). Batches of fewer than
-    ``least`` queries (scattered queries, in voids) are left, with the queries that found
-    no slot, ``AGAIN`` for the next pass, whose batches are smaller: here most of their
-    lists would be empty."""
+    batches stepping together have about as many candidates). Queries that found no slot
+    stay ``AGAIN`` for the next pass, and so do those in batches of fewer than ``least``
+    (scattered queries, in voids: most of the batch's lists would be empty), which the
+    next pass searches in smaller batches."""
     n = state.status.shape[0]
     pick, count = selection(state.status == AGAIN, n)  # (n,)
     live = jnp.arange(n) < count
