@@ -7,8 +7,8 @@ The search is split in rooms, each with one job:
   width ``w``, periodic images along z) sorted by Morton key, so every octree node at
   every level is one contiguous range of rows (the :class:`~._knn_frame.Index`), each held
   as its canonical coordinates and a one-byte periodic image (its position in the frame
-  is recomputed where needed, bitwise as the decomposition forms it). ``w`` defaults to twice the k-th neighbour distance of a uniform density, capped at the
-  pencil width.
+  is recomputed where needed, bitwise as the decomposition forms it). ``w`` defaults to
+  twice the k-th neighbour distance of a uniform density, capped at the pencil width.
 - :mod:`._knn_region`: queries (owned particles, or query points migrated to the pencil
   that holds them) are taken in key order, in batches of up to ``batch_size`` consecutive
   queries (a batch ends early at a gap). A batch searches the box ``bbox(batch) + rho``,
@@ -20,8 +20,8 @@ The search is split in rooms, each with one job:
   current k-th neighbour, and leaves the other lists as they are.
 - :mod:`._knn_local`: passes over the queries. Batches are ordered by work and scanned
   ``group_size`` at a time (on CPU, batches under a quarter full are left to the later
-  passes). A query is exact when its k-th distance is at most its
-  distance to the boundary of the region known complete; others are searched again with
+  passes). A query is exact when its k-th distance is at most its distance to the
+  boundary of the region known complete; others are searched again with
   their k-th distance as radius (batches of at most 4), until every query is exact or its
   sphere leaves the ghost layer. Each batch's lists are finished at once (self dropped,
   equal distances in id order) and only the finished neighbour codes are kept per query

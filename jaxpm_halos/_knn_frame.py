@@ -112,6 +112,15 @@ def in_frame(cx, cy, cz, code, box: float):
                      axis=-1)
 
 
+def row_images(ext, source, side):
+    """Image codes (R,) int8 of the extended rows (E,) followed by their z images
+    (``source``, ``side`` from :func:`~._fof.z_image_rows`). Coded apart and joined as
+    int8: no (R, 2) image or (R,) int32 array is formed."""
+    images = ext.image[jnp.minimum(source, ext.pos.shape[0] - 1)]  # (2 image_rows, 2)
+    return jnp.concatenate([image_code(ext.image[:, 0], ext.image[:, 1], 0),
+                            image_code(images[:, 0], images[:, 1], side)])
+
+
 class Index(NamedTuple):
     """One device's rows (owned, ghosts, z images) sorted by Morton key, so that every
     octree node at every level is one contiguous range of rows.
@@ -165,10 +174,7 @@ def build_index(frame: SearchFrame, ext, origin, image_rows: int):
     n_ext = ext.pos.shape[0]
     valid = jnp.concatenate([ext.valid, image_valid])  # (R,)
     ext_row = jnp.where(valid, jnp.concatenate([jnp.arange(n_ext, dtype=int32), source]), 0)
-    # Coded apart and joined as int8: no (R, 2) image or (R,) int32 array is formed.
-    images = ext.image[jnp.minimum(source, n_ext - 1)]  # (2 image_rows, 2)
-    code = jnp.concatenate([image_code(ext.image[:, 0], ext.image[:, 1], 0),
-                            image_code(images[:, 0], images[:, 1], side)])  # (R,) int8
+    code = row_images(ext, source, side)  # (R,) int8
     canon_ext = lax.stop_gradient(ext.pos)  # (E, 3)
     local = in_frame(*(canon_ext[:, d][ext_row] for d in range(3)), code, frame.box)
     key, order = sort_rows(morton_of(frame, local, origin, valid))

@@ -278,8 +278,9 @@ def search_pass(search: LocalSearch, state: SearchState, batch: int, group: int,
     plan_batches = min(group * PLAN_GROUPS, search.settings.plan_batches)
     work = _batch_work(search, slots, used, state.radius, batch, plan_batches)
     # Batches with queries first (a batch left empty has no work either), most work first.
-    _, order = sort_rows(jnp.where(jnp.any(slots < n, axis=1), -work, 1))
-    used = jnp.sum(jnp.any(slots < n, axis=1), dtype=int32) * batch
+    filled = jnp.any(slots < n, axis=1)  # (S / B,)
+    _, order = sort_rows(jnp.where(filled, -work, 1))
+    used = jnp.sum(filled, dtype=int32) * batch
 
     def step(carry):
         i, state = carry
