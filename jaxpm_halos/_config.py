@@ -110,6 +110,12 @@ class KNNConfig:
         ``None`` picks 1/64, or 1 when the ghost layer had to be capped at the pencil
         width (pencils narrower than the neighbour spheres). The public functions rerun
         with a larger value when it overflows.
+      index_factor: rows per device of the search index (the valid owned rows, ghosts and
+        z images, sorted), in units of ``n0``. The exchange buffers each hold their own
+        worst case, so most of their rows are padding; the index keeps only valid ones.
+        ``None`` picks the domain's ``capacity_factor`` times the frame's volume over the
+        pencil's (the frame may be as dense as the densest owned pencil), plus 128 rows,
+        and at most every exchanged row.
       domain: the domain exchange buffers.
     """
 
@@ -120,7 +126,14 @@ class KNNConfig:
     group_size: int | None = None
     radius_factor: float = 1.0
     remote_factor: float | None = None
+    index_factor: float | None = None
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
+
+    def index_rows(self, n0: int, default_factor: float, exchanged: int) -> int:
+        """Rows of the search index: ``index_factor`` (else ``default_factor``) times
+        ``n0``, and never more than the ``exchanged`` rows it is selected from."""
+        factor = default_factor if self.index_factor is None else self.index_factor
+        return min(exchanged, _default_rows(factor, n0, self.index_factor))
 
     def remote_rows(self, n0: int, capped: bool = False) -> int:
         factor = self.remote_factor
@@ -212,5 +225,6 @@ GHOSTS = Knob(DomainConfig, "ghost_factor")
 IMAGES = Knob(DomainConfig, "image_factor")
 MAX_HALOS = Knob(FoFConfig, "max_halos")
 REMOTE = Knob(KNNConfig, "remote_factor")
+KNN_INDEX = Knob(KNNConfig, "index_factor")
 SO_RADIUS = Knob(SOConfig, "radius")
 SO_PAIRS = Knob(SOConfig, "pair_factor")

@@ -49,11 +49,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._config import IMAGES, REMOTE, KNNConfig
+from ._config import IMAGES, KNN_INDEX, REMOTE, KNNConfig
 from ._domain import pmax_all
 from ._geometry import periodic_distance2
-from ._knn_frame import (SearchFrame, build_index, ghost_width, requested_width,  # noqa: F401
-                         uniform_knn_radius)
+from ._knn_frame import (SearchFrame, build_index, frame_share, ghost_width,  # noqa: F401
+                         requested_width, uniform_knn_radius)
 from ._knn_local import (EXACT, LocalSearch, SearchSettings, SearchState, owned_queries,
                          point_queries, search_locally)
 from ._knn_region import NODES as _NODES  # noqa: F401 (benchmarks/knn_candidates.py)
@@ -177,7 +177,11 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
     total = n0 * pencils.num_devices
     frame = SearchFrame.of(pencils, plan.width, dtype)
     origin, cover_lo, cover_hi = frame.arrays(pencils, dtype)
-    index, need_images = build_index(frame, ext, origin, plan.image_rows)
+    index_limit = Limit(KNN_INDEX, config.index_rows(
+        n0, plan.domain.capacity_factor * frame_share(pencils, plan.width),
+        n_ext + 2 * plan.image_rows), n0)
+    index, need_images, need_index = build_index(frame, ext, origin, plan.image_rows,
+                                                 index_limit.rows)
     self_mode = queries is None
     if self_mode:
         q, home = owned_queries(index, ext.owned, frame.box)
@@ -204,7 +208,10 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
                     jnp.concatenate([ext_mass, jnp.zeros((1,), ext_mass.dtype), remote.mass]))
     remote_status = Status(pmax_all(pencils, {"knn remote": remote.needed}), jnp.int32(0),
                            (("knn remote", Limit(REMOTE, capacity, n0)),))
-    return nb, plan.status({"z images": need_images}, {"z images": IMAGES}).merge(remote_status)
+    index_status = Status(pmax_all(pencils, {"knn index": need_index}), jnp.int32(0),
+                          (("knn index", index_limit),))
+    status = plan.status({"z images": need_images}, {"z images": IMAGES})
+    return nb, status.merge(index_status).merge(remote_status)
 
 
 # ----------------------------------------------------------------------------------------

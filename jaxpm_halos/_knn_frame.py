@@ -17,6 +17,7 @@ from jax import lax
 
 from ._cells import MORTON_BITS, morton_key, sort_rows
 from ._config import KNNConfig
+from ._domain import selection
 from ._fof import z_image_rows
 from ._layout import Pencils
 
@@ -126,7 +127,7 @@ class Index(NamedTuple):
     octree node at every level is one contiguous range of rows.
 
     Attributes:
-      key: (R,) sorted keys, ``SENTINEL`` after the ``n`` valid rows.
+      key: (R,) sorted keys, ``SENTINEL`` after the valid rows.
       cx, cy, cz: (R,) canonical positions (stopped gradients), one array per coordinate
         (contiguous loads in the distance kernels); every distance is computed from them.
       image: (R,) int8 the periodic image that places each row in the device's frame
@@ -134,7 +135,6 @@ class Index(NamedTuple):
       ext_row: (R,) extended row (:class:`~._domain.Extended`) each sorted row copies.
       ext_id: (E,) the extended rows' global ids (the decomposition's own array).
       owned: (R,) bool: an owned row itself (not a ghost, not an image).
-      n: number of valid rows.
     """
 
     key: jax.Array
@@ -145,7 +145,6 @@ class Index(NamedTuple):
     ext_row: jax.Array
     ext_id: jax.Array
     owned: jax.Array
-    n: jax.Array
 
     @property
     def rows(self) -> int:
@@ -164,24 +163,40 @@ class Index(NamedTuple):
         return in_frame(self.cx[rows], self.cy[rows], self.cz[rows], self.image[rows], box)
 
 
-def build_index(frame: SearchFrame, ext, origin, image_rows: int):
-    """Sort a device's extended rows plus z images. Returns ``(index, need_images)``.
+def frame_share(pencils: Pencils, width: float) -> float:
+    """The volume of a device's frame (pencil, ghost layers of ``width`` and z images) over
+    its pencil's."""
+    wx, wy = pencils.widths
+    box = pencils.box_size
+    return (wx + 2 * width) * (wy + 2 * width) * (box + 2 * width) / (wx * wy * box)
 
-    Rows are held as canonical coordinates and an image code: no (R, 3) array of frame
-    positions is ever stored, sorted or not (they are recomputed where needed)."""
+
+def build_index(frame: SearchFrame, ext, origin, image_rows: int, index_rows: int):
+    """Sort a device's valid extended rows plus z images, ``index_rows`` at most. Returns
+    ``(index, need_images, need_index)``: the rows the z images and the index needed.
+
+    The exchange buffers are padded to their own worst cases, so the valid rows are
+    selected first, and the index, its sort included, holds ``index_rows`` rows, not every
+    exchanged one. Rows are held as canonical coordinates and an image code: no (R, 3)
+    array of frame positions is ever stored (they are recomputed where needed)."""
     source, side, image_valid, need_images = z_image_rows(ext, frame.width, frame.box,
                                                           image_rows)
     n_ext = ext.pos.shape[0]
-    valid = jnp.concatenate([ext.valid, image_valid])  # (R,)
-    ext_row = jnp.where(valid, jnp.concatenate([jnp.arange(n_ext, dtype=int32), source]), 0)
-    code = row_images(ext, source, side)  # (R,) int8
+    valid = jnp.concatenate([ext.valid, image_valid])  # (E + 2 image_rows,)
+    picked, count = selection(valid, index_rows)  # (R,) padded with E + 2 image_rows
+    ext_row = jnp.concatenate([jnp.arange(n_ext, dtype=int32), source])
+    ext_row = jnp.take(ext_row, picked, mode="fill", fill_value=0)  # (R,)
+    code = jnp.take(row_images(ext, source, side), picked, mode="fill", fill_value=0)
     canon_ext = lax.stop_gradient(ext.pos)  # (E, 3)
     local = in_frame(*(canon_ext[:, d][ext_row] for d in range(3)), code, frame.box)
-    key, order = sort_rows(morton_of(frame, local, origin, valid))
-    owned = (order < ext.owned) & (key != SENTINEL)
+    kept = jnp.arange(index_rows) < count
+    key, order = sort_rows(morton_of(frame, local, origin, kept))
     sorted_ext_row = ext_row[order]
+    sorted_code = code[order]
+    # An owned row itself: not a ghost (those come after the owned rows), not an image.
+    owned = ((sorted_ext_row < ext.owned) & (sorted_code == image_code(jnp.int32(0), 0, 0))
+             & (key != SENTINEL))
     # One coordinate at a time: no (R, 3) copy of the canonical positions.
     cx, cy, cz = (canon_ext[:, d][sorted_ext_row] for d in range(3))
-    index = Index(key, cx, cy, cz, code[order], sorted_ext_row, ext.id, owned,
-                  jnp.sum(valid, dtype=int32))
-    return index, need_images
+    index = Index(key, cx, cy, cz, sorted_code, sorted_ext_row, ext.id, owned)
+    return index, need_images, count

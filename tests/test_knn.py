@@ -428,6 +428,22 @@ def test_capacity_overflow_names_the_knob(clustered):
     _check_exact(clustered, BOX, 8, dist, idx)
 
 
+def test_index_overflow_names_the_knob_and_grows(clustered):
+    # The index keeps only the valid rows of the padded exchange buffers, at most
+    # index_factor * n0 of them: a factor below what a device holds must be reported.
+    x = _shard(make_mesh((2, 4)), clustered)
+    small = jh.KNNConfig(index_factor=0.5)
+    with pytest.raises(jh.CapacityError, match="'knn index'.*index_factor") as info:
+        jh.knn(x, BOX, 8, config=small, grow=False)
+    value = float(re.search(r"index_factor=([0-9.]+)", str(info.value)).group(1))
+    assert value > 0.5
+    dist, idx = jh.knn(x, BOX, 8, config=jh.KNNConfig(index_factor=value))
+    _check_exact(clustered, BOX, 8, dist, idx)
+    with pytest.warns(jh.GrowthWarning, match="index_factor"):
+        rho = jh.knn_density(x, BOX, 8, config=small)
+    np.testing.assert_array_equal(np.asarray(rho), np.asarray(jh.knn_density(x, BOX, 8)))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(k=0), "at least 1"),
     (dict(k=N), "k \\+ 1"),
