@@ -1,7 +1,8 @@
 """kNN search frame of one device: ghost width, the frame's static geometry, and the
 device's rows sorted by Morton key (the index every search reads).
 
-Shapes in comments: ``R`` sorted rows of the index (extended rows plus z images).
+Shapes in comments: ``E`` extended rows (owned and ghosts, padded), ``R`` rows of the
+index (the valid extended rows and z images, sorted, then padding).
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ def in_frame(cx, cy, cz, code, box: float):
 
 
 def row_images(ext, source, side):
-    """Image codes (R,) int8 of the extended rows (E,) followed by their z images
-    (``source``, ``side`` from :func:`~._fof.z_image_rows`). Coded apart and joined as
-    int8: no (R, 2) image or (R,) int32 array is formed."""
+    """Image codes (E + 2 image_rows,) int8 of the extended rows (E,) followed by their z
+    images (``source``, ``side`` from :func:`~._fof.z_image_rows`). Coded apart and joined
+    as int8: no int32 image array of that length is formed."""
     images = ext.image[jnp.minimum(source, ext.pos.shape[0] - 1)]  # (2 image_rows, 2)
     return jnp.concatenate([image_code(ext.image[:, 0], ext.image[:, 1], 0),
                             image_code(images[:, 0], images[:, 1], side)])
