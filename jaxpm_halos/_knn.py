@@ -206,12 +206,12 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
     nb = Neighbours(codes, ok, jnp.concatenate([ext.id, jnp.full((1,), -1, ext.id.dtype), remote.id]),
                     jnp.concatenate([ext_pos, jnp.zeros((1, 3), ext_pos.dtype), remote.pos]),
                     jnp.concatenate([ext_mass, jnp.zeros((1,), ext_mass.dtype), remote.mass]))
-    remote_status = Status(pmax_all(pencils, {"knn remote": remote.needed}), jnp.int32(0),
-                           (("knn remote", Limit(REMOTE, capacity, n0)),))
-    index_status = Status(pmax_all(pencils, {"knn index": need_index}), jnp.int32(0),
-                          (("knn index", index_limit),))
+    # kNN's own buffers, in pipeline order after the decomposition's z images.
+    knn_status = Status(pmax_all(pencils, {"knn index": need_index, "knn remote": remote.needed}),
+                        jnp.int32(0), (("knn index", index_limit),
+                                       ("knn remote", Limit(REMOTE, capacity, n0))))
     status = plan.status({"z images": need_images}, {"z images": IMAGES})
-    return nb, status.merge(index_status).merge(remote_status)
+    return nb, status.merge(knn_status)
 
 
 # ----------------------------------------------------------------------------------------
