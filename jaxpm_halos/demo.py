@@ -43,7 +43,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 HOST_DEVICES = 8
 PM_FACTOR = 2  # the demo's default --pm-factor (README: Demo)
@@ -162,14 +162,9 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
         shape, ``pm_nc`` not a positive integer or given with ``paint_absolute_pos=False``,
         snapshots outside ``[a_init, a_final]``, a bad ``initial_field`` shape.
     """
-    import diffrax
     import jax
     import jax.numpy as jnp
     import jax_cosmo as jc
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxpm.kernels import interpolate_power_spectrum
-    from jaxpm.distributed import uniform_particles
-    from jaxpm.pm import linear_field, lpt, make_diffrax_ode
 
     from ._jaxpm import resolve_pm_nc
 
@@ -177,86 +172,24 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
     if paint_absolute_pos is None:
         paint_absolute_pos = pm_nc is not None and pm_nc != nc
     pm_nc = resolve_pm_nc(nc, pm_nc, paint_absolute_pos)
-    sharding = None
-    if mesh is not None and mesh.size > 1:
-        if len(mesh.axis_names) != 2:
-            raise ValueError(f"JaxPM needs a 2D device mesh, got axes {mesh.axis_names}")
-        px, py = mesh.devices.shape
-        for name, n in (("nc", nc), ("pm_nc", pm_nc)):
-            if n % px or n % py:
-                raise ValueError(f"{name} = {n} is not divisible by the mesh shape {(px, py)}")
-        sharding = NamedSharding(mesh, P(*mesh.axis_names))
-        block = min(nc // px if px > 1 else nc, nc // py if py > 1 else nc)
-    else:
-        mesh, block = None, nc
-    lpt_halo = default_halo_size(nc, box, block)
+    mesh, sharding, block = _distribution(mesh, nc, pm_nc)
     if halo_size is None:
         halo_size = default_halo_size(pm_nc, box, block * pm_nc // nc)
-    engine = ("jaxpm" if not paint_absolute_pos else
-              "jaxpm_absolute" if pm_nc == nc and sharding is None else "refined")
+    pm = _PMSetup(nc, pm_nc, box, a_init, lpt_order, halo_size, default_halo_size(nc, box, block),
+                  sharding, mesh,
+                  "jaxpm" if not paint_absolute_pos else
+                  "jaxpm_absolute" if pm_nc == nc and sharding is None else "refined")
     snapshots = tuple(float(a) for a in snapshots)
     if any(not a_init <= a <= a_final for a in snapshots):
         raise ValueError(f"snapshots {snapshots} must lie in [{a_init}, {a_final}]")
     omega_m = omega_c + float(jc.Planck15().Omega_b)
 
     def simulate(seed, initial_field, saveat_inputs):
-        # Two Cosmology objects: jax_cosmo caches its background in the object, and sharing
-        # one between the power spectrum and lpt fails (KeyError: 'h').
-        k = jnp.logspace(-4, 1, 128)
-        pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=omega_c, sigma8=sigma8), k)
-        pk_fn = lambda x: interpolate_power_spectrum(x, k, pk, sharding)
-        if initial_field is None:
-            field = linear_field(mesh_shape, [box] * 3, pk_fn, seed=jax.random.PRNGKey(seed),
-                                 sharding=sharding)
-        else:
-            field = initial_field if sharding is None else jax.lax.with_sharding_constraint(
-                initial_field, sharding)
         cosmo = jc.Planck15(Omega_c=omega_c, sigma8=sigma8)
-        if engine == "jaxpm":
-            dx, p, _ = lpt(cosmo, field, a=a_init, order=lpt_order, halo_size=halo_size,
-                           sharding=sharding)
-            y0 = jnp.stack([dx, p], axis=0)
-            ode = diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=False,
-                                                   halo_size=halo_size, sharding=sharding))
-        elif engine == "jaxpm_absolute":
-            q = uniform_particles(mesh_shape).astype(field.dtype)
-            dx, p, _ = lpt(cosmo, field, q, a=a_init, order=lpt_order)
-            y0 = jnp.stack([q + dx, p], axis=0)
-            ode = diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=True))
-        else:
-            # 2LPT on the particle lattice (JaxPM's displacement mode), then PM cells
-            dx, p, _ = lpt(cosmo, field, a=a_init, order=lpt_order, halo_size=lpt_halo,
-                           sharding=sharding)
-            q = uniform_particles(mesh_shape, sharding).astype(dx.dtype)
-            factor = jnp.asarray(pm_nc / nc, dx.dtype)
-            y0 = jnp.stack([factor * (q + dx), factor * p], axis=0)
-            ode = diffrax.ODETerm(refined_pm_ode(nc, pm_nc, halo_size=halo_size,
-                                                 sharding=sharding))
-        subs = [diffrax.SubSaveAt(t1=True)]
-        if snapshots:
-            fn = saveat_fn or _identity
-            if saveat_inputs is not None:
-                fn = lambda t, y, args: saveat_fn(t, y, args, saveat_inputs)  # noqa: E731
-            subs.append(diffrax.SubSaveAt(ts=jnp.asarray(snapshots), fn=_pinned(fn)))
-        sol = diffrax.diffeqsolve(
-            ode, diffrax.LeapfrogMidpoint(), t0=a_init, t1=a_final, dt0=None,
-            y0=y0, args=cosmo, saveat=diffrax.SaveAt(subs=subs),
-            stepsize_controller=diffrax.StepTo(ts=jnp.linspace(a_init, a_final, steps + 1)),
-            max_steps=steps,
-            # throw=True would route the whole solution through an equinox error check, a
-            # host callback on device 0: the state gets gathered there and comes back
-            # replicated. Check the result ourselves instead.
-            throw=False,
-            progress_meter=diffrax.TextProgressMeter() if progress else diffrax.NoProgressMeter())
-        final, saved = sol.ys[0][0], (sol.ys[1] if snapshots else None)
-        if sharding is not None:
-            # Keep JaxPM's layout: left alone, XLA may replicate the outputs.
-            state_sharding = NamedSharding(mesh, P(None, *mesh.axis_names))
-            final = jax.lax.with_sharding_constraint(final, state_sharding)
-            if snapshots and saveat_fn is None:
-                saved = jax.lax.with_sharding_constraint(
-                    saved, NamedSharding(mesh, P(None, None, *mesh.axis_names)))
-        return final, saved, sol.result == diffrax.RESULTS.successful
+        field = pm.linear_field(seed, initial_field, omega_c, sigma8)
+        y0, ode = pm.initial_state(cosmo, field)
+        return _solve(pm, ode, y0, cosmo, a_final, steps, snapshots, saveat_fn, saveat_inputs,
+                      progress)
 
     t = time.perf_counter()
     with warnings.catch_warnings():
@@ -288,6 +221,126 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
     return SimulationResult(final, snapshots, saved, a_final, mesh, sharding, float(box), nc,
                             omega_m, halo_size, compile_s, run_s, rerun, compiled,
                             pm_nc=pm_nc, paint_absolute_pos=bool(paint_absolute_pos))
+
+
+def _distribution(mesh, nc: int, pm_nc: int):
+    """``(mesh, sharding, block)``: the mesh (None for one device), the sharding of the
+    ``(nc, nc, nc, ...)`` grids and the smallest lattice block side of a device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    if mesh is None or mesh.size == 1:
+        return None, None, nc
+    if len(mesh.axis_names) != 2:
+        raise ValueError(f"JaxPM needs a 2D device mesh, got axes {mesh.axis_names}")
+    px, py = mesh.devices.shape
+    for name, n in (("nc", nc), ("pm_nc", pm_nc)):
+        if n % px or n % py:
+            raise ValueError(f"{name} = {n} is not divisible by the mesh shape {(px, py)}")
+    block = min(nc // px if px > 1 else nc, nc // py if py > 1 else nc)
+    return mesh, NamedSharding(mesh, P(*mesh.axis_names)), block
+
+
+class _PMSetup(NamedTuple):
+    """The static choices of one :func:`run_simulation`: grids, painting halos (PM grid:
+    ``halo_size``; 2LPT on the particle lattice: ``lpt_halo``), layout, and the engine
+    (``"jaxpm"``: JaxPM's displacement mode; ``"jaxpm_absolute"``: its absolute-position
+    mode on one device; ``"refined"``: :func:`refined_pm_ode`)."""
+
+    nc: int
+    pm_nc: int
+    box: float
+    a_init: float
+    lpt_order: int
+    halo_size: int
+    lpt_halo: int
+    sharding: Any
+    mesh: Any
+    engine: str
+
+    def linear_field(self, seed, initial_field, omega_c: float, sigma8: float):
+        """The Gaussian linear field drawn from ``seed``, or ``initial_field`` laid out
+        like it."""
+        import jax
+        import jax.numpy as jnp
+        import jax_cosmo as jc
+        from jaxpm.kernels import interpolate_power_spectrum
+        from jaxpm.pm import linear_field
+
+        if initial_field is not None:
+            return (initial_field if self.sharding is None
+                    else jax.lax.with_sharding_constraint(initial_field, self.sharding))
+        # A Cosmology object of its own: jax_cosmo caches its background in the object, and
+        # sharing one between the power spectrum and lpt fails (KeyError: 'h').
+        k = jnp.logspace(-4, 1, 128)
+        pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=omega_c, sigma8=sigma8), k)
+        pk_fn = lambda x: interpolate_power_spectrum(x, k, pk, self.sharding)  # noqa: E731
+        return linear_field((self.nc,) * 3, [self.box] * 3, pk_fn, seed=jax.random.PRNGKey(seed),
+                            sharding=self.sharding)
+
+    def initial_state(self, cosmo, field):
+        """``(y0, ode)``: the LPT state at ``a_init`` (stacked ``(2, nc, nc, nc, 3)``) in
+        the engine's units, and its ``diffrax.ODETerm``."""
+        import diffrax
+        import jax.numpy as jnp
+        from jaxpm.distributed import uniform_particles
+        from jaxpm.pm import lpt, make_diffrax_ode
+
+        mesh_shape = (self.nc,) * 3
+        if self.engine == "jaxpm":
+            dx, p, _ = lpt(cosmo, field, a=self.a_init, order=self.lpt_order,
+                           halo_size=self.halo_size, sharding=self.sharding)
+            return jnp.stack([dx, p], axis=0), diffrax.ODETerm(make_diffrax_ode(
+                mesh_shape, paint_absolute_pos=False, halo_size=self.halo_size,
+                sharding=self.sharding))
+        if self.engine == "jaxpm_absolute":
+            q = uniform_particles(mesh_shape).astype(field.dtype)
+            dx, p, _ = lpt(cosmo, field, q, a=self.a_init, order=self.lpt_order)
+            return (jnp.stack([q + dx, p], axis=0),
+                    diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=True)))
+        # 2LPT on the particle lattice (JaxPM's displacement mode), then PM cells
+        dx, p, _ = lpt(cosmo, field, a=self.a_init, order=self.lpt_order,
+                       halo_size=self.lpt_halo, sharding=self.sharding)
+        q = uniform_particles(mesh_shape, self.sharding).astype(dx.dtype)
+        factor = jnp.asarray(self.pm_nc / self.nc, dx.dtype)
+        return (jnp.stack([factor * (q + dx), factor * p], axis=0),
+                diffrax.ODETerm(refined_pm_ode(self.nc, self.pm_nc, halo_size=self.halo_size,
+                                               sharding=self.sharding)))
+
+
+def _solve(pm: _PMSetup, ode, y0, cosmo, a_final: float, steps: int, snapshots: tuple,
+           saveat_fn, saveat_inputs, progress: bool):
+    """``(final state, saved, ok)``: ``steps`` equal LeapfrogMidpoint steps in ``a`` from
+    ``y0``, with ``saveat_fn`` (or the state) at ``snapshots``."""
+    import diffrax
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    subs = [diffrax.SubSaveAt(t1=True)]
+    if snapshots:
+        fn = saveat_fn or _identity
+        if saveat_inputs is not None:
+            fn = lambda t, y, args: saveat_fn(t, y, args, saveat_inputs)  # noqa: E731
+        subs.append(diffrax.SubSaveAt(ts=jnp.asarray(snapshots), fn=_pinned(fn)))
+    sol = diffrax.diffeqsolve(
+        ode, diffrax.LeapfrogMidpoint(), t0=pm.a_init, t1=a_final, dt0=None,
+        y0=y0, args=cosmo, saveat=diffrax.SaveAt(subs=subs),
+        stepsize_controller=diffrax.StepTo(ts=jnp.linspace(pm.a_init, a_final, steps + 1)),
+        max_steps=steps,
+        # throw=True would route the whole solution through an equinox error check, a
+        # host callback on device 0: the state gets gathered there and comes back
+        # replicated. Check the result ourselves instead.
+        throw=False,
+        progress_meter=diffrax.TextProgressMeter() if progress else diffrax.NoProgressMeter())
+    final, saved = sol.ys[0][0], (sol.ys[1] if snapshots else None)
+    if pm.sharding is not None:
+        # Keep JaxPM's layout: left alone, XLA may replicate the outputs.
+        axes = pm.mesh.axis_names
+        final = jax.lax.with_sharding_constraint(final, NamedSharding(pm.mesh, P(None, *axes)))
+        if snapshots and saveat_fn is None:
+            saved = jax.lax.with_sharding_constraint(
+                saved, NamedSharding(pm.mesh, P(None, None, *axes)))
+    return final, saved, sol.result == diffrax.RESULTS.successful
 
 
 def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
@@ -538,7 +591,8 @@ def _host(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def main(argv=None) -> int:
+def _parse_args(argv):
+    """The command line: ``(parser, args, snapshots (sorted), pm_nc)``."""
     parser = argparse.ArgumentParser(
         prog="python -m jaxpm_halos.demo",
         description="A distributed JaxPM run with in-situ FoF halo finding and kNN density "
@@ -587,18 +641,19 @@ def main(argv=None) -> int:
         parser.error(f"--snapshots must lie in (0.1, 1], got {args.snapshots}")
     if args.pm_factor < 1:
         parser.error(f"--pm-factor must be a positive integer, got {args.pm_factor}")
-    pm_nc = args.pm_factor * args.nc
+    return parser, args, snapshots, args.pm_factor * args.nc
 
+
+def main(argv=None) -> int:
+    parser, args, snapshots, pm_nc = _parse_args(argv)
     t_start = time.perf_counter()
     use_host_devices()
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import AxisType
 
-    from . import from_jaxpm, units
+    from . import units
     from .extension import REGISTRY, InSitu, check
-    from .io import gather_catalogue, write_catalogue
 
     analyses = tuple(a for a in args.analyses.split(",") if a)
     if "knn_density" in analyses and "knn_density" not in REGISTRY:
@@ -629,99 +684,137 @@ def main(argv=None) -> int:
         + (", JaxPM displacement mode" if pm_nc == args.nc else ", absolute positions") +
         f"), mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
 
-    n_snap = len(snapshots)
     say("compiling the solve with the analyses inside (diffrax SaveAt fn) ...")
     result = run_simulation(args.nc, args.box, args.steps, snapshots, mesh=mesh,
                             saveat_fn=switchable_saveat_fn(insitu, snapshots), seed=args.seed,
                             a_final=snapshots[-1], progress=True,
-                            saveat_inputs=jnp.ones(n_snap, bool), pm_nc=pm_nc)
+                            saveat_inputs=jnp.ones(len(snapshots), bool), pm_nc=pm_nc)
     say(f"compiled in {result.compile_s:.1f} s; solve with in-situ analyses: {result.run_s:.2f} s")
-    saved = result.saved
-    check(saved)  # raises, naming the knob, if any buffer overflowed at any snapshot
-
-    # Timing: the same compiled program, with the analyses switched off by a traced flag.
-    t_snap = [None] * n_snap
-    t_off = None
-    if args.timing != "none":
-        say("timing: the same compiled solve with the analyses off"
-            + (" and with them on at single snapshots" if args.timing == "snapshot" and
-               n_snap > 1 else "") + " ...")
-        with contextlib.redirect_stdout(io.StringIO()):  # no more progress meters
-            _, _, t_off = result.rerun(jnp.zeros(n_snap, bool))
-            if args.timing == "snapshot":
-                # on at snapshot i alone, for all but the last; the last one by difference
-                # with the main run (all on), which saves a solve
-                for i in range(n_snap - 1):
-                    _, _, t_i = result.rerun(jnp.arange(n_snap) == i)
-                    t_snap[i] = t_i - t_off
-                t_snap[-1] = result.run_s - t_off - sum(t_snap[:-1])
-        if args.timing == "total":
-            t_snap = [(result.run_s - t_off) / n_snap] * n_snap
+    check(result.saved)  # raises, naming the knob, if any buffer overflowed at any snapshot
+    t_off, t_snap = _time_analyses(result, args.timing, say)
 
     if lead:
         os.makedirs(args.out, exist_ok=True)
-    rows, catalogues = [], []
+    catalogues = _write_catalogues(result.saved, snapshots, args, insitu, cosmology, mass,
+                                   shape, pm_nc)
+    rows = _snapshot_rows(result.saved, snapshots, catalogues, t_snap)
+    if lead:
+        _print_table(rows, t_off, args.steps, result.run_s, args.timing, args.k)
+    _plot_final(result, catalogues[-1], snapshots[-1], args, cosmology, mass, pm_nc, lead)
+    if lead:
+        print(f"total wall time {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+def _time_analyses(result: SimulationResult, timing: str, say):
+    """``(t_off, t_snap)``: the compiled solve's time with the analyses off, and the
+    analyses' time at each snapshot (``timing``: ``"snapshot"``, ``"total"`` or
+    ``"none"``: None each)."""
+    import jax.numpy as jnp
+
+    n_snap = len(result.snapshots)
+    if timing == "none":
+        return None, [None] * n_snap
+    say("timing: the same compiled solve with the analyses off"
+        + (" and with them on at single snapshots" if timing == "snapshot" and n_snap > 1
+           else "") + " ...")
+    with contextlib.redirect_stdout(io.StringIO()):  # no more progress meters
+        _, _, t_off = result.rerun(jnp.zeros(n_snap, bool))
+        if timing == "total":
+            return t_off, [(result.run_s - t_off) / n_snap] * n_snap
+        # on at snapshot i alone, for all but the last; the last one by difference with the
+        # main run (all on), which saves a solve
+        t_snap = [result.rerun(jnp.arange(n_snap) == i)[2] - t_off for i in range(n_snap - 1)]
+    return t_off, t_snap + [result.run_s - t_off - sum(t_snap)]
+
+
+def _write_catalogues(saved, snapshots, args, insitu, cosmology: dict, mass: float, shape,
+                      pm_nc: int):
+    """The FoF catalogue of each snapshot (None without FoF), each written to
+    ``halos_a{a:.4f}.h5`` in ``args.out``."""
+    import numpy as np
+
+    from .io import gather_catalogue, write_catalogue
+
+    if "fof" not in saved:
+        return [None] * len(snapshots)
+    catalogues = []
     for i, a in enumerate(snapshots):
-        cat = gather_catalogue(saved["fof"]["catalogue"], snapshot=i) if "fof" in saved else None
+        cat = gather_catalogue(saved["fof"]["catalogue"], snapshot=i)
+        write_catalogue(os.path.join(args.out, f"halos_a{a:.4f}.h5"), cat, box_size=args.box,
+                        nc=args.nc, a=a, cosmology=cosmology,
+                        linking_length=insitu.b * args.box / args.nc, b=insitu.b,
+                        min_members=insitu.min_members,
+                        attrs=dict(particle_mass=mass, steps=args.steps, seed=args.seed,
+                                   mesh=np.asarray(shape), pm_nc=pm_nc))
         catalogues.append(cat)
+    return catalogues
+
+
+def _snapshot_rows(saved, snapshots, catalogues, t_snap):
+    """One row of the printed table per snapshot: halos, the three largest masses, the
+    median kNN density over the mean and the analyses' time."""
+    import numpy as np
+
+    rows = []
+    for i, (a, cat) in enumerate(zip(snapshots, catalogues)):
         row = {"a": a, "halos": None, "largest": [], "rho": None, "t": t_snap[i]}
         if cat is not None:
-            path = os.path.join(args.out, f"halos_a{a:.4f}.h5")
-            write_catalogue(path, cat, box_size=args.box, nc=args.nc, a=a, cosmology=cosmology,
-                            linking_length=insitu.b * args.box / args.nc, b=insitu.b,
-                            min_members=insitu.min_members,
-                            attrs=dict(particle_mass=mass, steps=args.steps, seed=args.seed,
-                                       mesh=np.asarray(shape), pm_nc=pm_nc))
             row["halos"] = len(cat["id"])
             row["largest"] = np.sort(cat["mass"])[::-1][:3].tolist()
         if "knn_density" in saved:
-            delta = _host(saved["knn_density"]["density"])[i]
-            row["rho"] = float(np.median(delta + 1))
+            row["rho"] = float(np.median(_host(saved["knn_density"]["density"])[i] + 1))
         rows.append(row)
+    return rows
 
-    if lead:
-        _print_table(rows, t_off, args.steps, result.run_s, args.timing, args.k)
-    plots = []
+
+def _plot_final(result: SimulationResult, final, a: float, args, cosmology: dict, mass: float,
+                pm_nc: int, lead: bool):
+    """The last snapshot's mass function (with the counts against the fits) and density
+    slice, written to ``args.out`` (by the lead process, when there is a catalogue)."""
+    from . import from_jaxpm
+
     particles = from_jaxpm(result.state, box_size=args.box, mass=mass,
                            paint_absolute_pos=result.paint_absolute_pos, pm_nc=result.pm_nc)
-    so_mass = catalogues[-1].get("m200m") if catalogues[-1] is not None else None
-    if lead and catalogues[-1] is not None:
-        from .plots import plot_density_slice, plot_mass_function, ratio_above
+    pos = _host(particles.pos)  # every process takes part in the gather
+    if not lead or final is None:
+        return
+    from .plots import plot_density_slice, plot_mass_function
 
-        final = catalogues[-1]
-        a = snapshots[-1]
-        mf = os.path.join(args.out, "mass_function.png")
-        plot_mass_function(mf, final["mass"], box_size=args.box, cosmology=cosmology, a=a,
-                           particle_mass=mass, min_members=args.min_members, so_mass=so_mass,
-                           title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, PM grid "
-                                 f"{pm_nc}$^3$, {args.steps} steps, a = {a:g}: in-situ FoF "
-                                 f"b = {args.b:g}")
-        plots.append(mf)
-        print(f"\nhaloes at a = {a:g} against the fits (counts / expected, Poisson errors; "
-              f"100 particles = {100 * mass:.3g} Msun/h):")
-        for label, masses, fit in (("FoF   / Watson 2013", final["mass"], "watson13"),
-                                   ("M200m / Tinker 2008", so_mass, "tinker08")):
-            if masses is None:
-                continue
-            for lo, hi in ((args.min_members, 100), (100, None)):
-                r = ratio_above(masses, box_size=args.box, cosmology=cosmology, a=a, fit=fit,
-                                min_mass=lo * mass, max_mass=None if hi is None else hi * mass)
-                span = f"{lo}-{hi} particles" if hi else f">= {lo} particles"
-                print(f"  {label}, {span:>16}: {r['count']:4d} / {r['expected']:6.1f} = "
-                      f"{r['ratio']:.2f} +- {r['error']:.2f}")
-    pos = _host(particles.pos)
-    if lead and catalogues[-1] is not None:
-        sl = os.path.join(args.out, "density_slice.png")
-        plot_density_slice(sl, pos, box_size=args.box, halo_pos=final["pos"],
-                           halo_mass=final["mass"], bins=min(args.nc, 512),
-                           title=f"a = {a:g}: projected density of z in [0, {args.box / 8:g}) "
-                                 f"Mpc/h, FoF halo centres")
-        plots.append(sl)
-    if lead:
-        files = sorted(f for f in os.listdir(args.out) if f.startswith("halos_a"))
-        print(f"wrote {', '.join(os.path.join(args.out, f) for f in files + [os.path.basename(p) for p in plots])}")
-        print(f"total wall time {time.perf_counter() - t_start:.1f} s")
-    return 0
+    so_mass = final.get("m200m")
+    mf = os.path.join(args.out, "mass_function.png")
+    plot_mass_function(mf, final["mass"], box_size=args.box, cosmology=cosmology, a=a,
+                       particle_mass=mass, min_members=args.min_members, so_mass=so_mass,
+                       title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, PM grid "
+                             f"{pm_nc}$^3$, {args.steps} steps, a = {a:g}: in-situ FoF "
+                             f"b = {args.b:g}")
+    _print_fit_ratios(final["mass"], so_mass, args, cosmology, mass, a)
+    sl = os.path.join(args.out, "density_slice.png")
+    plot_density_slice(sl, pos, box_size=args.box, halo_pos=final["pos"],
+                       halo_mass=final["mass"], bins=min(args.nc, 512),
+                       title=f"a = {a:g}: projected density of z in [0, {args.box / 8:g}) "
+                             f"Mpc/h, FoF halo centres")
+    files = sorted(f for f in os.listdir(args.out) if f.startswith("halos_a"))
+    print(f"wrote {', '.join(os.path.join(args.out, f) for f in files + [os.path.basename(mf), os.path.basename(sl)])}")
+
+
+def _print_fit_ratios(fof_mass, so_mass, args, cosmology: dict, mass: float, a: float):
+    """Halo counts below and above 100 particles against the Watson (FoF) and Tinker
+    (M200m) fits."""
+    from .plots import ratio_above
+
+    print(f"\nhaloes at a = {a:g} against the fits (counts / expected, Poisson errors; "
+          f"100 particles = {100 * mass:.3g} Msun/h):")
+    for label, masses, fit in (("FoF   / Watson 2013", fof_mass, "watson13"),
+                               ("M200m / Tinker 2008", so_mass, "tinker08")):
+        if masses is None:
+            continue
+        for lo, hi in ((args.min_members, 100), (100, None)):
+            r = ratio_above(masses, box_size=args.box, cosmology=cosmology, a=a, fit=fit,
+                            min_mass=lo * mass, max_mass=None if hi is None else hi * mass)
+            span = f"{lo}-{hi} particles" if hi else f">= {lo} particles"
+            print(f"  {label}, {span:>16}: {r['count']:4d} / {r['expected']:6.1f} = "
+                  f"{r['ratio']:.2f} +- {r['error']:.2f}")
 
 
 def _print_table(rows, t_off, steps, t_on, timing, k):
