@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from ._geometry import wrap
 from ._layout import Layout, layout_of
 from ._particles import Particles, _check_box_size
-from ._status import InvalidInputError
+from ._status import InvalidInputError, is_traced
 
 int32 = jnp.int32
 
@@ -186,7 +186,7 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
     """
     ids = None
     if isinstance(pos, Particles):
-        particles = pos
+        particles = _dense(pos)
         box_size = particles.box_size if box_size is None else box_size
         vel = particles.vel if vel is None else vel
         mass = particles.mass if mass is None else mass
@@ -235,6 +235,20 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
                 for a, s in zip(args, specs)]
     problem = Problem(layout, box_size, vel is not None, ids is not None, mass_kind, static_mass)
     return problem, tuple(args), tuple(specs)
+
+
+def _dense(particles: Particles) -> Particles:
+    """``particles``, which the public calls take row for row (every row a particle):
+    padded ones (``num`` below their rows, e.g. from ``Particles.create(num=...)``) raise
+    outside ``jit``; inside, ``num`` is not known and the caller must pass dense ones."""
+    num = particles.num
+    if not is_traced((num,)) and int(num) != particles.size:
+        raise ValueError(
+            f"these Particles hold {int(num)} particles in {particles.size} rows (the rows "
+            f"from {int(num)} on are padding), but the public calls take every row as a "
+            "particle. Pass the valid rows, e.g. Particles.create(p.pos[:p.num], "
+            "p.box_size, id=p.id[:p.num], mass=...), or a position array")
+    return particles
 
 
 def _screen_masses(mass, pos):

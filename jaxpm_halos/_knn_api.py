@@ -141,10 +141,26 @@ def check_k(k, total: int | None, self_mode: bool, least: int = 1, context: str 
                          f"got {k}")
     need = k + 1 if self_mode else k
     if total is not None and need > total:
+        most = total - 1 if self_mode else total
+        fix = (f"Use k <= {most}" if most >= least else
+               f"No k fits: {least + self_mode} particles at least are needed")
         raise ValueError(f"{context}k = {k} neighbours need at least "
                          f"{'k + 1' if self_mode else 'k'} particles; "
-                         f"{particles.format(total=total)}. Use k < {total + (not self_mode)}")
+                         f"{particles.format(total=total)}. {fix}")
     return k
+
+
+def _check_total_mass(problem, mass):
+    """``overdensity=True`` divides by the mean density: a concrete total mass of zero
+    raises (inside ``jit`` the result would be NaN)."""
+    if mass is None or is_traced((mass,)):
+        return
+    mass = np.asarray(mass, np.float64)
+    total = float(mass.sum() if mass.ndim else mass * problem.total)
+    if not total > 0:
+        raise ValueError("knn_density(overdensity=True) divides by the mean density, but the "
+                         f"particles' total mass is {total:g}; give positive masses (or "
+                         "overdensity=False)")
 
 
 def _query_rows(query, devices: int):
@@ -171,6 +187,9 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     self_mode = query is None
     k = check_k(k, problem.total, self_mode, least=2 if output == "density" else 1)
+    if overdensity:
+        _check_total_mass(problem, pos.mass if isinstance(pos, Particles) and mass is None
+                          else mass)
     query_rows, lead, m = 0, None, 0
     if not self_mode:
         flat, lead, m = _query_rows(query, problem.pencils.num_devices)
@@ -229,9 +248,10 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
       ``(dist, idx)``: ``(..., k)`` distances (ascending, periodic minimum image) to the k
       nearest *other* particles and their global ids (input index, or lattice index for
       JaxPM grids), in the input's leading shape and sharding; or the ``reduce`` output.
-      Distances are bitwise identical on every mesh; among neighbours at exactly equal
-      distances the lower id comes first. ``jax.grad`` of a function of ``dist`` flows to
-      the positions with the neighbour selection held fixed.
+      Distances are bitwise identical on every mesh; neighbours at exactly equal distances
+      are listed in id order (when more particles than fit lie at exactly the k-th
+      distance, which of them are listed can depend on the mesh). ``jax.grad`` of a
+      function of ``dist`` flows to the positions with the neighbour selection held fixed.
 
     Outside ``jit``, a non-finite position raises :class:`~jaxpm_halos.InvalidInputError`;
     inside ``jit``, rows that could not be completed are NaN (ids -1) and

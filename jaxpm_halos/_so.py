@@ -60,10 +60,26 @@ def search_width(radius: float, box_size: float) -> float:
     return fof_ghost_width(radius, box_size)
 
 
-def radius_limit(radius: float, box_size: float) -> Limit:
-    """The search radius as a :class:`Limit`: "rows" are thousandths of the box."""
-    scale = 1000.0 / box_size
-    return Limit(SO_RADIUS, math.ceil(radius * scale), scale)
+def radius_limit(radius: float, pencils: Pencils) -> Limit:
+    """The search radius as a :class:`Limit`: "rows" are thousandths of the box, and at
+    most :func:`largest_radius`."""
+    box = pencils.box_size
+    scale = 1000.0 / box
+    return Limit(SO_RADIUS, math.ceil(radius * scale), scale, most=largest_radius(pencils),
+                 beyond="a third of the box and the narrower pencil side of the mesh. Some "
+                 "centre's enclosed density is still above the threshold there: a threshold "
+                 "at or below the mean density is never reached (SO thresholds are densities "
+                 "in mass per volume, e.g. 200 times the mean: see jaxpm_halos.units), or the "
+                 "halo is too large for this box (on a mesh, fewer devices along its narrow "
+                 "axis allow a larger radius)")
+
+
+def largest_radius(pencils: Pencils) -> float:
+    """The largest SO search radius the box and the mesh support: below a third of the
+    box, and the ghost layer it needs within the narrower pencil side."""
+    box = pencils.box_size
+    widest = (min(pencils.widths) - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5)
+    return min(widest * (1 - 1e-6), box / 3.01)
 
 
 def check_radius(radius: float, box_size: float, pencils: Pencils) -> float:
@@ -89,8 +105,7 @@ def resolve_radius(config: SOConfig, mean_separation: float, pencils: Pencils) -
     _check_integer("SOConfig(levels=...): levels", config.levels, 1)
     if config.radius is not None:
         return check_radius(config.radius, box, pencils)
-    widest = (min(pencils.widths) - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5)
-    return check_radius(min(4 * mean_separation, widest * (1 - 1e-6), box / 3.01), box, pencils)
+    return check_radius(min(4 * mean_separation, largest_radius(pencils)), box, pencils)
 
 
 class _Frame(NamedTuple):
@@ -291,8 +306,7 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
 
 
 def _status(plan: Plan, config: SOConfig, radius: float, need_images, need_pairs, unresolved):
-    box = plan.pencils.box_size
-    reach = radius_limit(radius, box)
+    reach = radius_limit(radius, plan.pencils)
     # Unresolved profiles need a wider search: twice the radius is the suggestion.
     need_radius = jnp.where(unresolved > 0, 2 * reach.rows, reach.rows).astype(int32)
     images = plan.status({"so z images": need_images}, {"so z images": IMAGES})

@@ -35,15 +35,24 @@ class Limit:
       knob: the config field a user sets, e.g. ``Knob(DomainConfig, "transfer_factor")``.
       rows: rows the buffer holds (per device).
       scale: rows per unit of the knob (``rows == ceil(knob * scale)``); 1 for integer knobs.
+      most: the largest value the knob can take here (None: no bound), and ``beyond``,
+        why, for the error when a buffer needs more.
     """
 
     knob: Knob
     rows: int
     scale: float = 1.0
+    most: float | None = None
+    beyond: str = ""
 
     def suggest(self, needed: int, margin: float = 1.0) -> float | int:
         """Smallest knob value (2 decimals for factors) whose capacity holds ``needed``
-        rows times ``margin``."""
+        rows times ``margin``, but at most :attr:`most`."""
+        value = self.unbounded(needed, margin)
+        return value if self.most is None else min(value, self.most)
+
+    def unbounded(self, needed: int, margin: float = 1.0) -> float | int:
+        """:meth:`suggest` without the bound."""
         needed = math.ceil(needed * margin)
         if self.scale == 1.0:
             return int(needed)
@@ -122,6 +131,10 @@ class Failure:
                     "unusable; they were excluded. Clean the input (or mask those particles) "
                     "and rerun.")
         knob = self.limit.knob
+        if self.limit.most is not None and self.limit.unbounded(self.needed) > self.limit.most:
+            return (f"jaxpm_halos: buffer '{self.buffer}' needs {knob} = "
+                    f"{self.limit.unbounded(self.needed)!r}, but it can be at most "
+                    f"{self.limit.most:.3g} here: {self.limit.beyond}")
         if config is None:
             setting = f"{knob.owner.__name__}({knob.field}={self.limit.suggest(self.needed)!r})"
         else:

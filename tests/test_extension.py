@@ -529,10 +529,11 @@ def test_so_settings_are_checked_and_an_so_overflow_names_insitu_fof():
     with pytest.raises(ValueError, match="include 'fof'"):
         InSitu(box_size=32.0, analyses=("knn_density",), centre="peak")
     # An unresolved profile is spelled as the InSitu argument that holds SOConfig.
+    from jaxpm_halos._layout import Pencils
     from jaxpm_halos._so import radius_limit
     from jaxpm_halos.extension import _error
 
-    limit = radius_limit(4.0, 32.0)
+    limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))
     failure = jaxpm_halos.Failure(jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows,
                                   "so radius", limit, 2 * limit.rows)
     insitu = InSitu(box_size=32.0, omega_m=0.3, so=("vir",), fof=jaxpm_halos.FoFConfig(

@@ -188,7 +188,7 @@ def test_insitu_rejects_a_bad_k_at_construction(k, message):
 @pytest.mark.parametrize("k", [64, 65, 1000])
 def test_insitu_rejects_k_of_at_least_the_particle_count(k):
     y = jnp.zeros((2, 4, 4, 4, 3), jnp.float32)
-    with pytest.raises(ValueError, match=rf"InSitu\(k={k}\): .*nc\*\*3 = 64\. Use k < 64"):
+    with pytest.raises(ValueError, match=rf"InSitu\(k={k}\): .*nc\*\*3 = 64\. Use k <= 63"):
         jh.InSitu(box_size=16.0, analyses=("knn_density",), k=k)(y)
 
 
@@ -308,3 +308,39 @@ def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
     assert int(status.nonfinite) == 3
     rho = np.asarray(rho)
     assert np.isnan(rho[[0, 40, 500]]).all() and np.isfinite(rho[keep]).all()
+
+
+def test_padded_particles_raise_rather_than_count_their_padding():
+    """The public calls take every row as a particle: padding rows (id -1, zero positions)
+    would be counted as particles at the origin, so padded Particles raise."""
+    pos = np.random.default_rng(3).uniform(0, 10.0, (200, 3)).astype(np.float32)
+    padded = jh.Particles.create(pos, 10.0, num=120)
+    for call in (lambda: jh.knn(padded, k=2), lambda: jh.fof(padded, linking_length=0.5),
+                 lambda: jh.knn_density(padded, k=4)):
+        with pytest.raises(ValueError, match=r"hold 120 particles in 200 rows"):
+            call()
+    # Its valid rows, as the message suggests, give scipy's neighbours.
+    dense = jh.Particles.create(padded.pos[:120], 10.0, id=padded.id[:120])
+    dist, idx = jh.knn(dense, k=2)
+    want, want_idx = cKDTree(pos[:120], boxsize=10.0).query(pos[:120], k=3)
+    np.testing.assert_allclose(np.asarray(dist), want[:, 1:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx[:, 1:])
+
+
+@pytest.mark.parametrize("n, k, message", [
+    (1, 1, r"there are 1\. No k fits: 2 particles at least are needed"),
+    (3, 3, r"there are 3\. Use k <= 2"),
+])
+def test_too_large_k_names_a_k_that_fits_or_none(n, k, message):
+    pos = np.random.default_rng(4).uniform(0, 10.0, (n, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match=message):
+        jh.knn(pos, 10.0, k)
+
+
+@pytest.mark.parametrize("mass", [0.0, np.zeros(64, np.float32)], ids=["scalar", "rows"])
+def test_overdensity_of_zero_total_mass_raises(mass):
+    pos = np.random.default_rng(5).uniform(0, 10.0, (64, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match="total mass is 0"):
+        jh.knn_density(pos, 10.0, 4, mass=mass, overdensity=True)
+    rho = jh.knn_density(pos, 10.0, 4, mass=mass)  # a density of zero mass is zero
+    assert np.all(np.asarray(rho) == 0)

@@ -146,6 +146,21 @@ def test_small_radius_grows_or_raises():
     assert status.failure().buffer == "so radius"
 
 
+def test_a_threshold_at_the_mean_density_says_why_no_radius_fits():
+    """A profile that never falls below the threshold grows the search to the largest
+    radius the box supports, then raises an error that says so (not one about a radius
+    the user never set)."""
+    rng = np.random.default_rng(11)
+    pos = rng.uniform(0, 10.0, (2000, 3)).astype(np.float32)
+    with pytest.raises(jh.CapacityError, match=r"SOConfig.radius = .*can be at most 3\.32 "
+                       r"here: a third of the box") as info:
+        jh.spherical_overdensity(pos, pos[:2], box_size=10.0, density=2000 / 10.0 ** 3)
+    assert "at or below the mean density" in str(info.value)
+    # Without growth the same message, from the default radius (already the largest).
+    with pytest.raises(jh.CapacityError, match="can be at most"):
+        jh.spherical_overdensity(pos, pos[:2], box_size=10.0, density=2.0, grow=False)
+
+
 def test_pair_buffer_batches_and_overflow():
     """A buffer smaller than all centres' candidates handles them in batches (same
     result); one smaller than one centre's candidates is reported."""
