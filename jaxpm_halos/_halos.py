@@ -243,7 +243,7 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       Outside ``jit`` a non-finite position raises
       :class:`~jaxpm_halos.InvalidInputError`; inside ``jit``, read ``catalogue.status``
       (it covers every buffer the result depends on), or thread a runtime check with
-      ``labels = catalogue.status.error_if(labels)``.
+      ``labels = catalogue.status.error_if(labels, config)``.
     """
     problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)
     l = _linking_length(problem, linking_length, b)

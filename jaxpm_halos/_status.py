@@ -235,29 +235,32 @@ class Status:
         if failure is not None:
             raise failure.error(config, argument)
 
-    def error_if(self, x):
+    def error_if(self, x, config=None):
         """``x``, passed through a check that raises if this status failed; usable inside
         ``jit`` on any mesh.
 
         The check runs after ``x`` is computed and before anything that uses the returned
         value, on every device at once, so a failure surfaces as an ``XlaRuntimeError``
         carrying this status's message and no device is left waiting in a collective.
-        Use the returned value: ``labels = cat.status.error_if(labels)``.
+        Use the returned value: ``labels = cat.status.error_if(labels, config)``. With the
+        ``config`` the analysis ran with (e.g. its ``FoFConfig``), the message spells the
+        whole ``config=...`` to rerun with, earlier settings kept; without it, the knob's
+        own class alone (e.g. a ``DomainConfig``, to put inside yours).
         """
         x, status = lax.optimization_barrier((x, self))
-        token = _on_every_device(status, _raise_on_failure(status.limits))
+        token = _on_every_device(status, _raise_on_failure(status.limits, config))
         x, _ = lax.optimization_barrier((x, token))
         return x
 
-    def raise_if_failed(self) -> None:
+    def raise_if_failed(self, config=None) -> None:
         """Runtime check usable inside ``jit``: like :meth:`error_if`, without data to
         thread. Prefer :meth:`error_if`, which also orders the check before later work."""
-        self.error_if(self.nonfinite)
+        self.error_if(self.nonfinite, config)
 
 
-def _raise_on_failure(limits):
+def _raise_on_failure(limits, config):
     def check(needed, nonfinite):
-        Status(needed, nonfinite, limits).check()
+        Status(needed, nonfinite, limits).check(config, "{}" if config is None else "config={}")
 
     return check
 

@@ -442,14 +442,19 @@ def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survive
     def labels_checked(p, config, threaded):
         labels, cat = jh.fof(p, 100.0, 2.5, min_members=2, config=config)
         if threaded:
-            return cat.status.error_if(labels)
+            return cat.status.error_if(labels, config)
         cat.status.raise_if_failed()
         return labels
 
     run = jax.jit(labels_checked, static_argnums=(1, 2))
-    for threaded in (True, False):
-        with pytest.raises(Exception, match="buffer 'ghosts' overflowed"):
-            jax.block_until_ready(run(p, jh.FoFConfig(), threaded))
+    mine = jh.FoFConfig(max_halos=64)
+    # With the config it ran with, the suggestion is that config, pasteable; without, the knob's.
+    with pytest.raises(Exception, match=r"buffer 'ghosts' overflowed.* Rerun with "
+                       r"config=FoFConfig\(max_halos=64, domain=DomainConfig\(ghost_factor="):
+        jax.block_until_ready(run(p, mine, True))
+    with pytest.raises(Exception, match=r"buffer 'ghosts' overflowed.* Rerun with "
+                       r"DomainConfig\(ghost_factor="):
+        jax.block_until_ready(run(p, mine, False))
     fits = jh.FoFConfig(domain=jh.DomainConfig(ghost_factor=2.5))
     np.testing.assert_array_equal(np.asarray(run(p, fits, True)),
                                   ref.fof_labels(pos, 100.0, 2.5))
