@@ -250,6 +250,16 @@ def density_from(rk, mass_sum):
     return mass_sum / (4.0 / 3.0 * jnp.pi * rk ** 3)
 
 
+def overdensity(rho, total_mass, box_size: float):
+    """``rho / rho_mean - 1`` with ``rho_mean`` the ``total_mass`` over ``box_size**3``:
+    one expression for every caller, so offline and in-situ values are the same bits: those
+    of the formula applied to the density itself. Both operands are formed apart (XLA
+    would otherwise fold the divisions of the density and of the mean into one, rounded
+    differently)."""
+    rho, mean = lax.optimization_barrier((rho, total_mass / box_size ** 3))
+    return rho / mean - 1
+
+
 def knn_density_of(query_pos, nb: Neighbours, k: int, box_size: float):
     """:func:`density_from` of the neighbours, computing only the k-th distance (n,). With
     only the k-th neighbour kept (equal masses), its mass stands for each of the k - 1

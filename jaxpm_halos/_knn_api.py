@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._config import KNNConfig
-from ._domain import Decomposition, psum_all
+from ._domain import Decomposition, pmax_all, psum_all
 from ._frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
                         prepare, program_cache, row_masses, trim_padding)
 from ._geometry import wrap
-from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances
+from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances, overdensity
 from ._layout import Pencils
 from ._particles import Particles
 from ._pipeline import JitProgram, Plan, Step, analyse, on_device, plan_for, run_sharded
@@ -44,7 +44,7 @@ def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
     if spec.output == "density":
         rho = knn_density_of(qpos, nb, k, box)
         if spec.overdensity:
-            rho = rho / (total_mass / box ** 3) - 1
+            rho = overdensity(rho, total_mass, box)
         return {"rho": rho}
     dist = neighbour_distances(qpos, nb, box)
     if spec.output == "neighbours":
@@ -64,7 +64,12 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
     nb, status = knn_device(plan, decomposition.ext, decomposition.ext.pos, ext_mass, spec.k,
                             spec.config, queries=queries, kth_only=spec.kth_only)
     total_mass = None
-    if spec.overdensity:
+    if spec.overdensity and spec.kth_only:
+        # Equal masses: N m, with N counted exactly, so the mean is the same bits on every
+        # mesh (a float sum depends on the order) and in situ (InSitu's nc**3 m).
+        count = psum_all(plan.pencils, jnp.sum(mig.valid, dtype=jnp.int32))
+        total_mass = count * pmax_all(plan.pencils, jnp.max(jnp.where(mig.valid, mass, 0)))
+    elif spec.overdensity:
         total_mass = psum_all(plan.pencils, jnp.sum(jnp.where(mig.valid, mass, 0)))
     return nb, status, total_mass
 

@@ -283,7 +283,9 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     rows = centres.shape[0] if centre_limit is None else centre_limit.rows
     picked, need_centres = selection(mine, rows)  # (C,) indices into the H centres
     local = jnp.take(centres, picked, axis=0, mode="fill", fill_value=0)  # (C, 3)
-    density = jnp.asarray(density, frame.canon.dtype)
+    # At run time in every program: a threshold XLA could see as a constant (in situ) would
+    # be folded into the profile test and the radius differently from an argument (offline).
+    density = jax.lax.optimization_barrier(jnp.asarray(density, frame.canon.dtype))
     pairs = config.pair_rows(plan.n0)
     result = jnp.zeros((rows, density.shape[0]), frame.canon.dtype)  # (C, D)
     pending, need_pairs = jnp.arange(rows) < need_centres, jnp.int32(0)

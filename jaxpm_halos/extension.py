@@ -45,7 +45,7 @@ from ._halos import Extras, check_centre, halo_step, peak_densities, so_request
 from ._frontend import local_fields, particles_of, prepare, program_cache
 from ._geometry import grid_to_box
 from ._jaxpm import check_state_positions, resolve_pm_nc
-from ._knn import ghost_width as knn_ghost_width
+from ._knn import ghost_width as knn_ghost_width, overdensity
 from ._knn_api import check_k, knn_density_on_plan
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
@@ -202,8 +202,8 @@ def _knn_density_analysis(snap: Snapshot):
     insitu = snap.insitu
     rho, status = _knn_density(snap)
     if insitu.overdensity:
-        mean = insitu.nc ** 3 * snap.particles.mass[0] / insitu.box_size ** 3
-        rho = rho / mean - 1
+        count = jnp.int32(insitu.nc ** 3)  # as the offline call counts them
+        rho = overdensity(rho, count * snap.particles.mass[0], insitu.box_size)
     return {"density": rho, "status": status}
 
 

@@ -273,6 +273,21 @@ def test_query_points(clustered):
     np.testing.assert_allclose(np.asarray(rho).reshape(990), want, rtol=1e-5)
 
 
+def test_overdensity_of_equal_masses_is_the_same_bits_on_every_mesh(clustered):
+    """The mean density of equal masses is N m with N counted exactly: a float sum of the
+    masses would round differently on different meshes (and differ from InSitu's)."""
+    from jaxpm_halos._knn import overdensity
+
+    m = np.float32(7.3)
+    got = [np.asarray(jh.knn_density(_shard(make_mesh(shape), clustered), BOX, 8, mass=m,
+                                     overdensity=True))
+           for shape in ((1, 1), (2, 4), (1, 8), (4, 2))]
+    for other in got[1:]:
+        np.testing.assert_array_equal(other, got[0])
+    rho = jh.knn_density(clustered, BOX, 8, mass=m)
+    np.testing.assert_array_equal(got[0], np.asarray(overdensity(rho, jnp.int32(N) * m, BOX)))
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     """N = 4093 on 8 devices: padded inside; no padding row is a neighbour, and the mean
