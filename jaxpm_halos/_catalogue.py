@@ -30,6 +30,9 @@ from ._status import Status
 
 int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max
+# A catalogue's own per-halo fields (SO quantities come after them, by their names).
+CATALOGUE_FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates",
+                    "peak")
 
 
 @jax.tree_util.register_dataclass
@@ -83,9 +86,7 @@ class Catalogue:
     def fields(self) -> dict:
         """The per-halo arrays by name (SO quantities flattened: ``m200c``, ``r200c``, …),
         the absent ones left out."""
-        out = {f: getattr(self, f) for f in
-               ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates", "peak")
-               if getattr(self, f) is not None}
+        out = {f: getattr(self, f) for f in CATALOGUE_FIELDS if getattr(self, f) is not None}
         out.update(self.so or {})
         return out
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 
 def _rows(factor: float, n0: int) -> int:
     return max(1, math.ceil(factor * n0))
@@ -22,6 +24,20 @@ _SMALL_PROBLEM_ROWS = 128
 
 def _default_rows(factor: float, n0: int, given: float | None) -> int:
     return _rows(factor, n0) + (_SMALL_PROBLEM_ROWS if given is None else 0)
+
+
+def _check_numbers(config) -> None:
+    """Every number a config holds is finite and >= 0 (None picks the default): a negative
+    or NaN setting would otherwise fail deep inside a compiled program."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None or dataclasses.is_dataclass(value):
+            continue
+        number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+            value, bool)
+        if not (number and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{type(config).__name__}({field.name}={value!r}): a setting must "
+                             "be a finite number >= 0, or None for the default")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +68,9 @@ class DomainConfig:
     transfer_factor: float | None = None
     ghost_factor: float | None = None
     image_factor: float | None = None
+
+    def __post_init__(self):
+        _check_numbers(self)
 
     def capacity_rows(self, n0: int) -> int:
         return _rows(self.capacity_factor, n0)
@@ -129,6 +148,9 @@ class KNNConfig:
     index_factor: float | None = None
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
 
+    def __post_init__(self):
+        _check_numbers(self)
+
     def index_rows(self, n0: int, default_factor: float, exchanged: int) -> int:
         """Rows of the search index: ``index_factor`` (else ``default_factor``) times
         ``n0``, and never more than the ``exchanged`` rows it is selected from."""
@@ -167,6 +189,9 @@ class SOConfig:
     pair_factor: float | None = None
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
 
+    def __post_init__(self):
+        _check_numbers(self)
+
     def pair_rows(self, n0: int) -> int:
         return _default_rows(1.0 if self.pair_factor is None else self.pair_factor, n0,
                              self.pair_factor)
@@ -195,6 +220,9 @@ class FoFConfig:
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
     so: SOConfig = dataclasses.field(default_factory=SOConfig)
     knn: KNNConfig = dataclasses.field(default_factory=KNNConfig)
+
+    def __post_init__(self):
+        _check_numbers(self)
 
     def halo_rows(self, n0: int) -> int:
         return self.max_halos if self.max_halos is not None else max(1024, n0 // 16)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ._catalogue import CATALOGUE_FIELDS
 from ._config import MAX_HALOS, FoFConfig, KNNConfig
 from ._domain import Decomposition, psum_all
 from ._fof import fof_step, ghost_width
@@ -134,15 +135,27 @@ def so_request(so, omega_m=None, a=1.0):
     if so is None or (not isinstance(so, str) and len(so) == 0):
         return (), None
     if isinstance(so, Mapping):
-        names = tuple(str(n) for n in so)
+        names = _so_names(tuple(str(n) for n in so))
         return names, [so[n] for n in so]
-    names = (so,) if isinstance(so, str) else tuple(so)
+    names = _so_names((so,) if isinstance(so, str) else tuple(so))
     if omega_m is None:
         raise ValueError(f"so={names!r} needs omega_m= (and a=) for the thresholds "
                          "(jaxpm_halos.units.so_density); or pass so={name: density}")
+    return names, [units.so_density(n, omega_m=omega_m, a=a) for n in names]
+
+
+def _so_names(names: tuple) -> tuple:
+    """SO names whose fields ``m<name>``, ``r<name>`` are new catalogue columns."""
     if len(set(names)) != len(names):
         raise ValueError(f"so={names!r} names a definition twice")
-    return names, [units.so_density(n, omega_m=omega_m, a=a) for n in names]
+    for name in names:
+        if not name:
+            raise ValueError("an SO name must not be empty (its fields are m<name>, r<name>)")
+        clash = {"m" + name, "r" + name} & set(CATALOGUE_FIELDS)
+        if clash:
+            raise ValueError(f"so name {name!r} gives the fields m{name}, r{name}, which would "
+                             f"replace the catalogue's {sorted(clash)}: pick another name")
+    return names
 
 
 def check_centre(centre: str) -> str:

@@ -273,7 +273,8 @@ class InSitu:
     nc: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "analyses", tuple(self.analyses))
+        object.__setattr__(self, "analyses", (self.analyses,) if isinstance(self.analyses, str)
+                           else tuple(self.analyses))
         for name in self.analyses:
             analysis(name)
         if not self.box_size > 0:

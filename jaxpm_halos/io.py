@@ -37,10 +37,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ._catalogue import CATALOGUE_FIELDS
+
 __all__ = ["FIELDS", "INSITU_UNITS", "LoadedCatalogue", "gather_catalogue", "load_catalogue",
            "write_catalogue"]
 
-FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates", "peak")
+FIELDS = CATALOGUE_FIELDS
 """Catalogue fields, in file order (``vel``, ``vel_disp`` and ``peak`` may be absent, and
 ``percolates`` in files written before it existed). Spherical-overdensity datasets
 (``m200c``, ``r200c``, ...) follow, named in the root attribute ``so_definitions``."""
@@ -198,8 +200,10 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     Raises:
       ValueError: before anything is written, for a setting out of range (``box_size``,
         ``linking_length``, ``b`` positive and finite, ``a`` in ``(0, inf)``, ``nc`` and
-        ``min_members`` positive integers), an ``attrs`` name in :data:`RESERVED`, or a
-        value HDF5 cannot store. A write that fails leaves no file behind.
+        ``min_members`` positive integers), an ``attrs`` name in :data:`RESERVED`, a
+        field that is neither in :data:`FIELDS` nor an SO mass and radius pair (it would
+        not be read back), or a value HDF5 cannot store. A write that fails leaves no file
+        behind.
     """
     import jax
 
@@ -217,6 +221,11 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     cosmology = {str(k): _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
     fields = gather_catalogue(catalogue, snapshot)
     so = _so_definitions(catalogue, fields)
+    unknown = sorted(set(fields) - set(FIELDS) - {p + n for n in so for p in "mr"})
+    if unknown:
+        raise ValueError(f"write_catalogue writes a catalogue's fields {FIELDS} and its SO "
+                         f"masses and radii (m<name>, r<name> pairs); {unknown} are neither, "
+                         "and load_catalogue would not read them back: write them apart")
     if units is None:
         units = dict(INSITU_UNITS)
         for name in so:

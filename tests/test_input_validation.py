@@ -344,3 +344,28 @@ def test_overdensity_of_zero_total_mass_raises(mass):
         jh.knn_density(pos, 10.0, 4, mass=mass, overdensity=True)
     rho = jh.knn_density(pos, 10.0, 4, mass=mass)  # a density of zero mass is zero
     assert np.all(np.asarray(rho) == 0)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: jh.FoFConfig(max_halos=-5), r"FoFConfig\(max_halos=-5\)"),
+    (lambda: jh.DomainConfig(capacity_factor=-1.0), r"DomainConfig\(capacity_factor=-1.0\)"),
+    (lambda: jh.SOConfig(radius=float("nan")), r"SOConfig\(radius=nan\)"),
+    (lambda: jh.KNNConfig(batch_size="16"), r"KNNConfig\(batch_size='16'\)"),
+])
+def test_a_config_refuses_a_negative_or_non_numeric_setting_at_construction(make, message):
+    with pytest.raises(ValueError, match=message + ": a setting must be a finite number"):
+        make()
+    assert jh.KNNConfig(remote_factor=0.0).remote_factor == 0.0  # zero is a setting
+
+
+@pytest.mark.parametrize("so, message", [({"ass": 200.0}, r"replace the catalogue's \['mass'\]"),
+                                         ({"adius": 5.0}, r"\['radius'\]"),
+                                         ({"": 5.0}, "must not be empty")])
+def test_so_names_cannot_overwrite_catalogue_fields(so, message):
+    pos = np.random.default_rng(6).uniform(0, 10.0, (64, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match=message):
+        jh.fof(pos, 10.0, 0.5, so=so)
+
+
+def test_insitu_takes_one_analysis_named_as_a_string():
+    assert jh.InSitu(box_size=16.0, analyses="fof").analyses == ("fof",)

@@ -199,3 +199,17 @@ def test_round_trip_so_and_peak(tmp_path):
     # From the numpy dict: same datasets, centre read off the presence of peak.
     got = load_catalogue(write_catalogue(tmp_path / "so_np.h5", expected, **META))
     assert got.attrs["so_centre"] == "peak" and set(got.keys()) == set(expected)
+
+
+def test_a_column_load_would_not_read_back_is_refused(tmp_path):
+    """A field that is neither a catalogue field nor an SO mass and radius pair was written
+    as if it were an SO quantity and dropped on load: now the write refuses it."""
+    cat = _catalogue(np.random.default_rng(5), 4)
+    cat["my_extra"] = np.arange(4.0)
+    with pytest.raises(ValueError, match=r"\['my_extra'\] are neither"):
+        write_catalogue(tmp_path / "extra.h5", cat, **META)
+    assert not (tmp_path / "extra.h5").exists()
+    cat = _catalogue(np.random.default_rng(5), 4)
+    cat["m200c"] = cat["r200c"] = np.ones(4, np.float32)  # an SO pair is written and read
+    got = load_catalogue(write_catalogue(tmp_path / "so.h5", cat, **META))
+    np.testing.assert_array_equal(got["r200c"], np.ones(4, np.float32))
