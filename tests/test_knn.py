@@ -284,7 +284,8 @@ def test_overdensity_of_equal_masses_is_the_same_bits_on_every_mesh(clustered):
         np.testing.assert_array_equal(other, got[0])
     # The value: the density over N m / L^3 (float32 rounding of 1 + delta apart).
     rho = np.asarray(jh.knn_density(clustered, BOX, 8, mass=m), np.float64)
-    np.testing.assert_allclose(got[0] + 1.0, rho / (N * float(m) / BOX ** 3), rtol=1e-6)
+    np.testing.assert_allclose(got[0] + 1.0, rho / (N * float(m) / BOX ** 3), rtol=1e-6,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
