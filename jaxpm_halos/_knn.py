@@ -33,10 +33,10 @@ The search is split in rooms, each with one job:
   the merge is exact).
 
 Every distance is computed by :func:`._geometry.periodic_distance2` from canonical wrapped
-coordinates, so distances are bitwise identical on every mesh (ids may differ only among
-neighbours at exactly equal distances, which are listed in id order: the running lists keep
-the first of equal candidates in scan order, so when more rows than fit tie at the k-th
-distance, the ones kept depend on the device's scan). Self exclusion keeps
+coordinates, so distances are bitwise identical on every mesh. Every merge keeps the
+smallest (distance, id) (:func:`._knn_scan.merge_nearest`), so the ids chosen do not depend
+on the order a device scans its candidates in, and are the same on every mesh too. Self
+exclusion keeps
 k + 1 neighbours and drops the query's own id. Neighbour selection runs on stopped
 gradients and without reverse-mode loops; distances are then recomputed from the selected
 neighbours' positions, which flow differentiably through the domain exchange, so

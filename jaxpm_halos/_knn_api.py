@@ -253,9 +253,9 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
       ``(dist, idx)``: ``(..., k)`` distances (ascending, periodic minimum image) to the k
       nearest *other* particles and their global ids (input index, or lattice index for
       JaxPM grids), in the input's leading shape and sharding; or the ``reduce`` output.
-      Distances are bitwise identical on every mesh; neighbours at exactly equal distances
-      are listed in id order (when more particles than fit lie at exactly the k-th
-      distance, which of them are listed can depend on the mesh). ``jax.grad`` of a
+      Distances and ids are the same on every mesh: neighbours are chosen and listed by
+      (distance, id), so of more particles than fit at exactly the k-th distance the
+      lowest ids are listed. ``jax.grad`` of a
       function of ``dist`` flows to the positions with the neighbour selection held fixed.
 
     Outside ``jit``, a non-finite position raises :class:`~jaxpm_halos.InvalidInputError`;

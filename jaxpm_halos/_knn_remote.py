@@ -94,7 +94,8 @@ def _search_block(index: Index, box: float, chunks: OwnedChunks, block_pos, reac
         d2 = periodic_distance2(block_pos[:, None, :], index.canon(jnp.clip(rows, 0, R - 1))[None],
                                 box)  # (Bq, C)
         ok = chunks.live[c][None, :] & near[:, c][:, None]
-        return (i + 1,) + merge_nearest(run_d2, run_row, jnp.where(ok, d2, jnp.inf), rows)
+        return (i + 1,) + merge_nearest(run_d2, run_row, jnp.where(ok, d2, jnp.inf), rows,
+                                        lambda r: index.id(jnp.minimum(r, R - 1)))
 
     B = block_pos.shape[0]
     init = (jnp.int32(0), jnp.full((B, kk), jnp.inf, block_pos.dtype), jnp.full((B, kk), R, int32))
@@ -149,18 +150,16 @@ class RemoteAnswers(NamedTuple):
 
 
 def _merge_devices(pencils: Pencils, answers, kk: int):
-    """Merge the D answers (D, F, kk, ...) that came back to each remote query: the kk
-    nearest, as (F, kk, ...) arrays."""
+    """Merge the D answers (D, F, kk, ...) that came back to each remote query (squared
+    distances, ids, then payloads): the kk nearest by (distance, id), as (F, kk, ...)
+    arrays. Each device sent its own kk nearest by the same order, so these are exact."""
     D = pencils.num_devices
     F = answers[0].shape[1]
-    merged_d2 = jnp.moveaxis(answers[0], 0, 1).reshape(F, D * kk)
-    neg, pick = lax.top_k(-merged_d2, kk)  # (F, kk)
-
-    def take(a):
-        a = jnp.moveaxis(a, 0, 1).reshape((F, D * kk) + a.shape[3:])
-        return jnp.take_along_axis(a, pick.reshape(pick.shape + (1,) * (a.ndim - 2)), axis=1)
-
-    return (-neg,) + tuple(take(a) for a in answers[1:])
+    flat = [jnp.moveaxis(a, 0, 1).reshape((F, D * kk) + a.shape[3:]) for a in answers]
+    slot = jnp.broadcast_to(jnp.arange(D * kk, dtype=int32), (F, D * kk))
+    pick = lax.sort((flat[0], flat[1], slot), dimension=1, num_keys=2)[2][:, :kk]  # (F, kk)
+    return tuple(jnp.take_along_axis(a, pick.reshape(pick.shape + (1,) * (a.ndim - 2)), axis=1)
+                 for a in flat)
 
 
 def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext_pos, ext_mass,

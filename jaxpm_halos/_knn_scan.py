@@ -25,41 +25,72 @@ def distance2_columns(ax, ay, az, bx, by, bz, box):
     return dx * dx + dy * dy + dz * dz
 
 
-def merge_nearest(run_d2, run_row, cand_d2, cand_row):
-    """The ``kk`` nearest of running lists ``(P, kk)`` (ascending squared distances and
-    their rows) and candidates ``(P, C)`` (inf where absent) with rows ``(C,)`` (shared by
-    every list) or ``(P, C)``, in ascending order. Equal distances keep the running list
-    first, then candidate order."""
+def _take_merged(run, cand, pick):
+    """Values (P, m) at merged positions ``pick`` (P, m) of ``[run (P, kk) | cand]``, where
+    ``cand`` is (C,) (shared by every list) or (P, C)."""
+    kk = run.shape[-1]
+    prev = jnp.take_along_axis(run, jnp.minimum(pick, kk - 1), axis=-1)
+    c = jnp.maximum(pick - kk, 0)
+    new = cand[c] if cand.ndim == 1 else jnp.take_along_axis(cand, c, axis=-1)
+    return jnp.where(pick < kk, prev, new)
+
+
+def _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of):
+    """The ``kk`` nearest by (squared distance, global id): a full sort of each list with
+    its candidates (P, kk + C), for the rare steps where ``top_k`` meets a tie."""
+    kk = run_d2.shape[-1]
+    d2 = jnp.concatenate([run_d2, cand_d2], axis=-1)
+    rows = jnp.concatenate([run_row, jnp.broadcast_to(cand_row, cand_d2.shape)], axis=-1)
+    d2, _, rows = lax.sort((d2, id_of(rows), rows), dimension=d2.ndim - 1, num_keys=2)
+    return d2[..., :kk], rows[..., :kk]
+
+
+def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of):
+    """The ``kk`` nearest by (squared distance, global id) of running lists ``(P, kk)``
+    (ascending squared distances and their rows) and candidates ``(P, C)`` (inf where
+    absent) with rows ``(C,)`` (shared by every list) or ``(P, C)``, in ascending order of
+    distance; ``id_of`` maps rows to global ids (absent rows included).
+
+    Which of equal distances a list keeps must not depend on the order candidates are
+    scanned in (it differs between meshes), so selection is by (distance, id): ``top_k``
+    takes one more than the list holds, and only when the last kept and the first dropped
+    are equal is the step redone by a sort on both keys. Each step so keeps the ``kk``
+    smallest (distance, id) of everything seen.
+    """
     kk = run_d2.shape[-1]
     # The running list goes first: top_k then starts from a good heap and is cheap.
-    vals, pick = lax.top_k(jnp.concatenate([-run_d2, -cand_d2], axis=-1), kk)  # (P, kk)
-    prev = jnp.take_along_axis(run_row, jnp.minimum(pick, kk - 1), axis=-1)
-    cand = jnp.maximum(pick - kk, 0)
-    new = (cand_row[cand] if cand_row.ndim == 1
-           else jnp.take_along_axis(cand_row, cand, axis=-1))
-    return -vals, jnp.where(pick < kk, prev, new)
+    vals, pick = lax.top_k(jnp.concatenate([-run_d2, -cand_d2], axis=-1), kk + 1)  # (P, kk+1)
+    # Both outputs are used whole and cut afterwards: used in parts of different widths,
+    # they make XLA:CPU lower top_k to a full sort of every row (8x slower kNN).
+    d2, rows = -vals, _take_merged(run_row, cand_row, pick)
+    tied = (d2[..., kk - 1] == d2[..., kk]) & jnp.isfinite(d2[..., kk])
+    return lax.cond(jnp.any(tied),
+                    lambda: _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of),
+                    lambda: (d2[..., :kk], rows[..., :kk]))
 
 
-def merge_where_needed(run_d2, run_row, cand_d2, cand_row, wanted, block: int):
+def merge_where_needed(run_d2, run_row, cand_d2, cand_row, id_of, wanted, block: int):
     """:func:`merge_nearest` of the lists ``(P, kk)`` with candidates ``(P, C)`` (rows
     ``(P, C)``), computed only for the ``wanted`` (P,) lists that some candidate would
     change, ``block`` lists at a time, or for all at once when most need it (or when
     ``block >= P``).
 
-    A candidate that is not nearer than a list's last entry cannot enter it (equal
-    distances keep the running list first), so skipping the other lists changes nothing.
-    After the first candidates most lists are final, and the merge (``lax.top_k``, the most
-    expensive step) then runs on the few that are not.
+    A candidate farther than a list's last entry cannot enter it, so skipping the other
+    lists changes nothing. After the first candidates most lists are final, and the merge
+    (``lax.top_k``, the most expensive step) then runs on the few that are not.
     """
     P = run_d2.shape[0]
 
     def all_lists():
-        d2, row = merge_nearest(run_d2, run_row, cand_d2, cand_row)
+        d2, row = merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of)
         return jnp.where(wanted[:, None], d2, run_d2), jnp.where(wanted[:, None], row, run_row)
 
     if block >= P:
         return all_lists()
-    need = wanted & jnp.any(cand_d2 < run_d2[:, -1:], axis=1)  # (P,)
+    last = run_d2[:, -1:]
+    # A candidate at exactly the last distance may still enter, by a lower id.
+    need = wanted & jnp.any((cand_d2 < last) | ((cand_d2 == last) & jnp.isfinite(last)),
+                            axis=1)  # (P,)
     pick, count = selection(need, P)  # (P,) the lists to merge, P past the end
 
     def some():
@@ -67,7 +98,8 @@ def merge_where_needed(run_d2, run_row, cand_d2, cand_row, wanted, block: int):
             d2, row = lists
             take = lax.dynamic_slice_in_dim(pick, i * block, block)  # (block,)
             safe = jnp.minimum(take, P - 1)
-            m_d2, m_row = merge_nearest(d2[safe], row[safe], cand_d2[safe], cand_row[safe])
+            m_d2, m_row = merge_nearest(d2[safe], row[safe], cand_d2[safe], cand_row[safe],
+                                        id_of)
             return (d2.at[take].set(m_d2, mode="drop"), row.at[take].set(m_row, mode="drop"))
 
         return lax.fori_loop(0, (count + block - 1) // block, merge_block, (run_d2, run_row))
@@ -112,6 +144,7 @@ def scan_group(index: Index, frame: SearchFrame, q: Queries, region: Region, kk:
     qx, qy, qz = (q.canon[..., d][..., None] for d in range(3))  # (G, B, 1) each
     window_rows = jax.vmap(_window_rows, in_axes=(0, 0, 0, 0, None, None))
     valid = q.valid.reshape(P)
+    id_of = lambda rows: index.id(jnp.minimum(rows, R - 1))  # absent rows have d2 = inf
 
     def step(state):
         t0, run_d2, run_row = state
@@ -126,7 +159,8 @@ def scan_group(index: Index, frame: SearchFrame, q: Queries, region: Region, kk:
         d2 = distance2_columns(qx, qy, qz, cx[:, None], cy[:, None], cz[:, None], box)
         d2 = jnp.where(live[:, None], d2, jnp.inf).reshape(P, chunk)  # (P, C)
         rows = jnp.broadcast_to(row[:, None], (G, B, chunk)).reshape(P, chunk)
-        run_d2, run_row = merge_where_needed(run_d2, run_row, d2, rows, valid, merge_block)
+        run_d2, run_row = merge_where_needed(run_d2, run_row, d2, rows, id_of, valid,
+                                             merge_block)
         return t0 + chunk, run_d2, run_row
 
     init = (jnp.int32(0), jnp.full((P, kk), jnp.inf, q.canon.dtype), jnp.full((P, kk), R, int32))

@@ -10,7 +10,8 @@ distances near the linking length are exact in float32, and the linking length i
 so that no pair lies at exactly l: float32 and float64 FoF must then agree.
 
 On meshes (1, 8), (8, 1), (2, 4), (4, 2) and on one device it checks FoF labels against
-scipy (``cKDTree.query_pairs`` + ``connected_components``), kNN against ``cKDTree.query``,
+scipy (``cKDTree.query_pairs`` + ``connected_components``), kNN against ``cKDTree.query``
+(and the same distances and ids on every mesh: runs of duplicates tie at the k-th distance),
 and the catalogue's density peaks (the member at the smallest k-th neighbour distance) and
 SO masses about them (200 and 1000 times the mean density) against a float64 brute force.
 The calls run with default configs and grow their buffers themselves (``grow=True``); any
@@ -149,6 +150,7 @@ def main(argv=None):
         start = time.time()
         pos = layout(seed, args.n, box, link)
         want = ref.fof_labels(pos, box, link)
+        first = None  # the first mesh's neighbours: every other mesh lists the same ids
         for mesh in meshes:
             # An N the devices cannot split evenly goes in unsharded (padded inside).
             x = pos if mesh is None or args.n % mesh.size else jax.device_put(
@@ -163,6 +165,10 @@ def main(argv=None):
                 dist, idx = call(lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw),
                                  jh.KNNConfig())
                 _check_exact(pos, box, k, dist, idx)
+                dist, idx = np.asarray(dist), np.asarray(idx)
+                first = (dist, idx) if first is None else first
+                differ = int(np.sum(idx != first[1]) + np.sum(dist != first[0]))
+                assert differ == 0, f"kNN: {differ} distances or ids differ between meshes"
                 _check_peaks_and_so(pos, box, np.asarray(labels), cat.to_numpy(),
                                     np.asarray(dist)[:, k - 1], thresholds)
             except Exception as error:  # noqa: BLE001 - every exception is a failure here
