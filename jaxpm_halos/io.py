@@ -32,6 +32,7 @@ from a 2-host run is byte-for-byte comparable with a 1-host one.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from typing import Any, Mapping
 
@@ -75,7 +76,8 @@ def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.nda
         :class:`~jaxpm_halos.InSitu` (``outputs["fof"]["catalogue"]``), or a dict of numpy
         arrays such as ``Catalogue.to_numpy()`` gives (returned as is).
       snapshot: index of the snapshot for a catalogue stacked over snapshots (the output of
-        ``InSitu.saveat`` inside ``diffeqsolve``, whose leaves have a leading snapshot axis).
+        ``InSitu.saveat`` inside ``diffeqsolve``, whose leaves have a leading snapshot axis);
+        negative indices count from the end.
 
     Returns:
       ``{field: array}`` of the valid halos, sorted by id, the same on every process.
@@ -91,6 +93,8 @@ def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.nda
         raise ValueError("the catalogue is stacked over snapshots: pass snapshot=i")
     if not stacked and snapshot is not None:
         raise ValueError("snapshot given, but the catalogue is not stacked over snapshots")
+    if stacked:
+        snapshot = _snapshot_index(snapshot, np.shape(num)[0])
     if all(_addressable(x) for x in (num, *leaves.values())):
         pick = (lambda x: np.asarray(x)[snapshot]) if stacked else np.asarray
         so = {f: pick(x) for f, x in (catalogue.so or {}).items()}
@@ -144,6 +148,18 @@ def _bounds(sl: slice, size: int) -> tuple[int, int]:
     if step != 1:
         raise ValueError("unexpected strided shard")
     return start, stop
+
+
+def _snapshot_index(snapshot, n: int) -> int:
+    """``snapshot`` as an index in ``[0, n)`` (negative ones count from the end, as numpy's
+    do; the multi-process path compares it with shard bounds)."""
+    try:
+        i = operator.index(snapshot)
+    except TypeError:
+        raise ValueError(f"snapshot must be an integer, got {snapshot!r}") from None
+    if not -n <= i < n:
+        raise ValueError(f"snapshot={i} is out of range: the catalogue holds {n} snapshots")
+    return i % n
 
 
 def _local_blocks(x, rows: int, snapshot: int | None) -> dict[int, np.ndarray]:

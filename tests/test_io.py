@@ -77,11 +77,15 @@ def test_round_trip_of_a_sharded_catalogue(tmp_path):
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value)
 
-    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), cat)
-    for i in range(2):
+    # The first snapshot holds no halos (num 0); -1 is the last, as in numpy.
+    stacked = jax.tree.map(lambda x: jnp.stack([0 * x, x]), cat)
+    assert len(gather_catalogue(stacked, snapshot=0)["id"]) == 0
+    for i in (1, -1):
         fields = gather_catalogue(stacked, snapshot=i)
         for name, value in expected.items():
             np.testing.assert_array_equal(fields[name], value)
+    with pytest.raises(ValueError, match="out of range: the catalogue holds 2 snapshots"):
+        gather_catalogue(stacked, snapshot=2)
     with pytest.raises(ValueError, match="snapshot"):
         gather_catalogue(stacked)
     with pytest.raises(ValueError, match="snapshot"):

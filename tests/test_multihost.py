@@ -62,7 +62,8 @@ CHILD = textwrap.dedent("""
     stacked = jax.jit(lambda c: jax.tree.map(lambda x: jax.numpy.stack([0 * x, x]), c))(
         res["fof"]["catalogue"])
     assert not stacked.id.is_fully_addressable
-    write_catalogue(os.path.join(out, "halos_stacked.h5"), stacked, snapshot=1,
+    # snapshot=-1: the last, counted from the end on every process's shards too
+    write_catalogue(os.path.join(out, "halos_stacked.h5"), stacked, snapshot=-1,
                     box_size=float(nc), nc=nc, a=1.0, cosmology={"Omega_m": omega_m},
                     linking_length=insitu.b, b=insitu.b, min_members=insitu.min_members)
     extra = {"labels": res["fof"]["labels"]}
