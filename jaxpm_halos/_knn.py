@@ -36,10 +36,9 @@ Every distance is computed by :func:`._geometry.periodic_distance2` from canonic
 coordinates, so distances are bitwise identical on every mesh. Every merge keeps the
 smallest (distance, id) (:func:`._knn_scan.merge_nearest`), so the ids chosen do not depend
 on the order a device scans its candidates in, and are the same on every mesh too. Self
-exclusion keeps
-k + 1 neighbours and drops the query's own id. Neighbour selection runs on stopped
-gradients and without reverse-mode loops; distances are then recomputed from the selected
-neighbours' positions, which flow differentiably through the domain exchange, so
+exclusion keeps k + 1 neighbours and drops the query's own id. Neighbour selection runs on
+stopped gradients and without reverse-mode loops; distances are then recomputed from the
+selected neighbours' positions, which flow differentiably through the domain exchange, so
 ``jax.grad`` works with the neighbour selection held fixed.
 """
 
