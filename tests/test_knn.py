@@ -206,8 +206,8 @@ def test_ties_across_the_kth_distance_pick_the_lowest_ids():
     """When more particles lie at exactly the k-th distance than the list holds, the ones
     listed are those of lowest id, in id order, on one device and on a mesh, through the
     local search and through the cross-device pass (a ghost layer far thinner than the
-    spheres); with query points and per-particle masses too. Before selection was by (distance, id), the scan
-    order decided and the lists differed between meshes."""
+    spheres); with query points and per-particle masses too. Before selection was by
+    (distance, id), the scan order decided and the lists differed between meshes."""
     pos, box, k = _lattice_with_duplicates(), 6.0, 20
     want_dist, want_idx = _nearest_by_distance_then_id(pos, box, k)
     assert np.sum(want_dist[:, -1:] == want_dist[:, :1]) >= 48  # duplicates: all at 0
@@ -216,7 +216,9 @@ def test_ties_across_the_kth_distance_pick_the_lowest_ids():
     # remote_factor: room for every remote query at once, so that nothing reruns.
     wide = jh.KNNConfig(remote_factor=2.0)
     thin = jh.KNNConfig(ghost_width=0.05, remote_factor=2.0)
-    # Every mesh against one device on the clustered layout's duplicates: test_every_mesh_...
+    # The other meshes are compared with one device, ids included, by
+    # test_every_mesh_matches_scipy_and_the_unsharded_result (the clustered layout's
+    # duplicates tie across the list's end there too).
     for shape, config in ((None, wide), ((4, 2), thin)):
         x = pos if shape is None else _shard(make_mesh(shape), pos)
         dist, idx = jh.knn(x, box, k, config=config)
