@@ -220,6 +220,9 @@ def z_order(local_pos, valid):
     """Rows sorted by z (invalid rows last): the first of :func:`sort_columns`' two sorts,
     the same for every column size."""
     z = jnp.where(valid, local_pos[:, 2], jnp.inf)
+    if z.dtype != jnp.float32:  # float64 positions (jax_enable_x64): sort with a payload
+        rows = jnp.arange(z.shape[0], dtype=int32)
+        return lax.sort((z, rows), num_keys=1, is_stable=True)[1]
     bits = lax.bitcast_convert_type(z, int32)  # int32 bits that order like the floats
     return sort_rows(jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits))[1]
 

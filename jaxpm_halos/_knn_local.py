@@ -215,7 +215,7 @@ def _batch_work(search: LocalSearch, slots, used, radius, batch: int, plan_batch
         i, work = carry
         cut = lax.dynamic_slice_in_dim(slots, i * per_step, per_step)  # (per_step, B)
         region = search.plan(*search.batch_queries(cut, radius))
-        return i + 1, lax.dynamic_update_slice_in_dim(work, jnp.sum(region.count, axis=1),
+        return i + 1, lax.dynamic_update_slice_in_dim(work, jnp.sum(region.count, axis=1, dtype=int32),
                                                       i * per_step, 0)
 
     steps = (used + per_step * batch - 1) // (per_step * batch)
