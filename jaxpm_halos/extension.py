@@ -46,7 +46,7 @@ from ._frontend import local_fields, particles_of, prepare, program_cache
 from ._geometry import grid_to_box
 from ._jaxpm import check_state_positions, resolve_pm_nc
 from ._knn import ghost_width as knn_ghost_width, overdensity
-from ._knn_api import check_k, knn_density_on_plan
+from ._knn_api import check_k, knn_density_on_plan, knn_on_decomposition
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
 from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
@@ -87,6 +87,16 @@ class Snapshot:
             self.memo[key] = compute()
         return self.memo[key]
 
+    def knn(self, k: int, *, mass=None, config: KNNConfig = KNNConfig()):
+        """:func:`~jaxpm_halos.knn_on_decomposition` of the owned particles on this
+        snapshot's own ghost layer (``self.width``), the safe way to call it here: a width
+        wider than the layer the decomposition was built with would miss neighbours and
+        still report success. Spheres wider than the layer are completed across devices,
+        so any width is exact; register the analysis with a ``width`` near the k-th
+        neighbour distance to keep that pass small. Returns ``(result, status)``."""
+        return knn_on_decomposition(self.pencils, self.decomposition, k, self.width,
+                                    mass=mass, config=config, n0=self.n0)
+
     @property
     def pencils(self) -> Pencils:
         return self.plan.pencils
@@ -123,14 +133,33 @@ class Analysis:
 
 
 REGISTRY: dict[str, Analysis] = {}
+# Keys of InSitu's result beside the analyses' names: an analysis may not take them.
+_RESERVED = ("a", "domain", "state")
+# Bumped by every registration: compiled InSitu programs are keyed on it, so a name
+# registered again runs its new function, not the program compiled with the old one.
+_generation = [0]
 
 
 def register(name: str, *, outputs: Any = "particle", width: Callable | float = 0.0):
-    """Decorator registering ``fn(snapshot) -> pytree`` as an in-situ analysis."""
+    """Decorator registering ``fn(snapshot) -> pytree`` as an in-situ analysis.
+
+    Registering a name again replaces that analysis (later calls run the new function).
+    The names of the built-in analyses and of InSitu's other result keys (``"a"``,
+    ``"domain"``, ``"state"``) are refused."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an analysis name must be a non-empty string, not {name!r}")
+    if name in _RESERVED:
+        raise ValueError(f"{name!r} is a key of InSitu's result beside the analyses "
+                         f"({', '.join(_RESERVED)}): choose another analysis name")
+    builtin = REGISTRY.get(name)
+    if builtin is not None and builtin.run.__module__ == __name__:
+        raise ValueError(f"{name!r} is a built-in analysis of jaxpm_halos: register yours "
+                         "under another name")
 
     def wrap(fn):
         width_fn = width if callable(width) else (lambda insitu, pencils, w=float(width): w)
         REGISTRY[name] = Analysis(name, fn, outputs, width_fn)
+        _generation[0] += 1
         return fn
 
     return wrap
@@ -343,7 +372,8 @@ class InSitu:
         if "fof" in bound.analyses:
             _check_linking_length(bound, problem.pencils)
         a = jnp.asarray(a, y.dtype)
-        run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype))(y, a)
+        run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype),
+                                       _generation[0])(y, a)
         if is_traced(y, a):
             out = run(bound)
         else:
@@ -469,7 +499,9 @@ def _state_layout(insitu: InSitu, y):
 
 
 @program_cache(16)
-def _compiled(insitu: InSitu, problem, dtype):
+def _compiled(insitu: InSitu, problem, dtype, generation: int):
+    """The jitted InSitu program; ``generation`` (the registry's) keys it on the analyses'
+    functions."""
     layout, pencils = problem.layout, problem.pencils
     selected = [analysis(name) for name in insitu.analyses]
     width = max([a.width(insitu, pencils) for a in selected] + [0.0])

@@ -383,6 +383,59 @@ def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat
     assert per_save > 0, "the saveat_fn's sorts should be found in diffrax's save loop"
 
 
+def test_an_analysis_registered_again_runs_its_new_function():
+    """The compiled InSitu program was keyed on the analysis names alone, so the second
+    registration silently ran the first function."""
+    y = jnp.asarray(np.random.default_rng(2).normal(0, .5, (2, 8, 8, 8, 3)), jnp.float32)
+    name = "test_scaled_x"
+    try:
+        got = []
+        for factor in (1.0, 2.0):
+            register(name)(lambda snap, f=factor: f * snap.particles.pos[:, 0])
+            insitu = InSitu(box_size=16.0, analyses=(name,))  # equal InSitus both times
+            got.append(np.asarray(insitu(y, 1.0)[name]))
+        np.testing.assert_array_equal(got[1], 2 * got[0])
+    finally:
+        REGISTRY.pop(name)
+
+
+@pytest.mark.parametrize("name", ["a", "domain", "state", "fof", "knn_density", ""])
+def test_names_that_would_shadow_results_or_built_ins_are_refused(name):
+    with pytest.raises(ValueError, match="name"):
+        register(name)(lambda snap: snap.particles.pos[:, 0])
+    assert name not in REGISTRY or REGISTRY[name].run.__module__ == "jaxpm_halos.extension"
+
+
+def test_snapshot_knn_equals_ckdtree_on_a_thin_ghost_layer():
+    """snap.knn searches the snapshot's own ghost layer, so it is exact whatever width the
+    analysis was registered with (a thin one here: many spheres are completed across
+    devices); knn_on_decomposition given a wider width than the layer was wrong and
+    reported ok."""
+    from scipy.spatial import cKDTree
+
+    nc, box, k = 8, 16.0, 6
+    rng = np.random.default_rng(5)
+    y = np.stack([rng.normal(0, 0.5, (nc, nc, nc, 3)), np.zeros((nc, nc, nc, 3))])
+    y = jax.device_put(y.astype(np.float32), state_sharding(make_mesh((2, 4))))
+    name = "test_snapshot_knn"
+
+    @register(name, outputs={"dist": "particle", "ok": "particle", "status": "replicated"},
+              width=0.5)
+    def nearest(snap):
+        result, status = snap.knn(k, config=jaxpm_halos.KNNConfig(remote_factor=2.0))
+        return {"dist": result["dist"], "ok": result["ok"], "status": status}
+
+    try:
+        out = InSitu(box_size=box, analyses=(name,))(y, 1.0)[name]
+    finally:
+        REGISTRY.pop(name)
+    pos = np.asarray(from_jaxpm(y, box_size=box).pos, np.float64).reshape(-1, 3)
+    want = cKDTree(pos, boxsize=box).query(pos, k=k + 1)[0][:, 1:]
+    assert bool(out["status"].ok) and np.all(np.asarray(out["ok"]))
+    np.testing.assert_allclose(np.asarray(out["dist"]).reshape(-1, k), want, rtol=2e-6,
+                               atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------
 # Bad input
 

@@ -503,6 +503,9 @@ def test_index_overflow_names_the_knob_and_grows(clustered):
     (dict(k=N), "k \\+ 1"),
     (dict(k=2.5), "integer"),
     (dict(k=8, query=np.zeros((4, 2), np.float32)), "trailing axis"),
+    # the query is named, not the particles (they are fine)
+    (dict(k=8, query=np.asarray([[1, 2, 3], [np.nan, 1, 1]], np.float32)),
+     "1 query points are NaN or inf"),
 ])
 def test_bad_arguments_raise(clustered, kwargs, message):
     with pytest.raises(ValueError, match=message):
