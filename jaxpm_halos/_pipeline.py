@@ -214,7 +214,24 @@ def analyse(decomposition: Decomposition, domain: Status, steps: dict):
                            step.run(decomposition), is_leaf=_is_status)
         outputs[name] = out
         kinds[name] = leaf_kinds(step.outputs, out)
+        _check_output_shapes(name, out, kinds[name], decomposition.migrated.valid.shape[0])
     return outputs, kinds
+
+
+def _check_output_shapes(name: str, out, kinds, rows: int):
+    """An analysis's leaves fit their kinds: a ``"particle"`` leaf has one row per owned
+    row (``rows``), a ``"device"`` leaf at least one axis (its rows are stacked over the
+    devices). Checked at trace time, so the message names the analysis and the leaf."""
+    paths = jax.tree_util.tree_flatten_with_path(out)[0]
+    for (path, leaf), kind in zip(paths, jax.tree.leaves(kinds)):
+        shape = tuple(jnp.shape(leaf))
+        where = f"analysis {name!r}, output {jax.tree_util.keystr(path) or 'value'}"
+        if kind == "particle" and (not shape or shape[0] != rows):
+            raise ValueError(f"{where}: a 'particle' output needs one row per owned row of "
+                             f"the snapshot, shape ({rows}, ...); got {shape}")
+        if kind == "device" and not shape:
+            raise ValueError(f"{where}: a 'device' output needs a leading axis (e.g. "
+                             f"value[None]); got a scalar")
 
 
 def on_device(plan: Plan, fields: dict, valid, block_shape, steps: dict):

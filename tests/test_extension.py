@@ -440,6 +440,22 @@ def test_snapshot_knn_equals_ckdtree_on_a_thin_ghost_layer():
 # Bad input
 
 
+@pytest.mark.parametrize("outputs, fn, message", [
+    ({"x": "particle"}, lambda snap: {"x": snap.particles.pos[:5, 0]},
+     r"'test_bad_output', output \['x'\]: a 'particle' output needs one row per owned row"),
+    ("particle", lambda snap: jnp.sum(snap.particles.pos), "got \\(\\)"),
+    ("device", lambda snap: jnp.sum(snap.particles.pos), r"leading axis \(e.g. value\[None\]\)"),
+])
+def test_outputs_that_do_not_fit_their_kind_name_the_analysis(outputs, fn, message):
+    y = jnp.zeros((2, 8, 8, 8, 3), jnp.float32)
+    register("test_bad_output", outputs=outputs)(fn)
+    try:
+        with pytest.raises(ValueError, match=message):
+            InSitu(box_size=16.0, analyses=("test_bad_output",))(y, 1.0)
+    finally:
+        REGISTRY.pop("test_bad_output")
+
+
 def test_unregistered_analysis_name():
     with pytest.raises(ValueError, match=r"no in-situ analysis named 'halo_finder'.*'fof'"):
         InSitu(box_size=32.0, analyses=("fof", "halo_finder"))
