@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._config import KNNConfig
 from ._domain import Decomposition, pmax_all, psum_all
@@ -227,7 +228,20 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
         result = trim_padding(problem, result)
     else:
         result = jax.tree.map(lambda a: a[:m].reshape(lead + a.shape[1:]), result)
+        result = _in_query_sharding(result, query, len(lead))
     return (result, status) if with_status else result
+
+
+def _in_query_sharding(result, query, lead_dims: int):
+    """Outside ``jit``, per-query results laid out like a ``NamedSharding`` query along its
+    leading axes (the flattened query rows come back in the program's own layout)."""
+    sharding = getattr(query, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or is_traced(result):
+        return result
+    spec = tuple(sharding.spec)[:lead_dims]
+    spec = spec + (None,) * (lead_dims - len(spec))
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(sharding.mesh, P(*spec))),
+                        result)
 
 
 def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callable | None = None,
