@@ -491,6 +491,7 @@ def test_state_sharded_over_the_wrong_axes(spec):
 # Capacities
 
 
+@pytest.mark.leg1
 @NEEDS_KNN
 def test_overflow_of_fofs_own_ghost_layer_names_a_setting_that_fits():
     """kNN widens the shared ghost layer, and FoF rebuilds a narrow one of its own. A clump
@@ -555,6 +556,7 @@ def _collapsed_state(mesh, nc=16, centre=(4.0, 2.0, 8.0), sigma=0.6, seed=0):
                           state_sharding(mesh))
 
 
+@pytest.mark.leg1
 @NEEDS_KNN
 def test_every_analysis_status_covers_the_shared_decomposition():
     """Under jit an overflow of the shared decomposition used to show only in

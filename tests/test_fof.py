@@ -186,6 +186,7 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
     assert checked >= 5
 
 
+@pytest.mark.leg1
 @pytest.mark.parametrize("knob", ["transfer_factor", "capacity_factor", "ghost_factor",
                                   "image_factor", "max_halos"])
 def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
@@ -218,6 +219,7 @@ def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
     assert bool(cat.status.ok)
 
 
+@pytest.mark.leg1
 def test_suggestions_applied_as_written_keep_earlier_fixes(adversarial):
     """Several knobs too small at once: each error's suggestion is the whole config with one
     knob fixed, so pasting it as written converges (it used to name the knob alone, and a
@@ -430,6 +432,7 @@ def test_groups_reaching_half_the_box_are_flagged_percolating(shape):
     assert [flag[start], flag[start + 30]] == [False, False]
 
 
+@pytest.mark.leg1
 def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survives():
     """Status.raise_if_failed() inside jit on 8 devices used to kill the process (a
     callback failing on device 0 while the others waited in an all-to-all). The check now

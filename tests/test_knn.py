@@ -126,6 +126,7 @@ def test_k(clustered, k):
     _check_exact(clustered, BOX, k, dist, idx)
 
 
+@pytest.mark.leg1
 def test_gpu_settings_give_the_same_neighbours(clustered, unsharded, monkeypatch):
     """The settings picked on a GPU (1024 batches per step, 4096 per planning step, merge
     rows cut to a power of two) give the same neighbours; run here on the CPU."""
@@ -492,6 +493,7 @@ def test_capacity_overflow_names_the_knob(clustered):
     _check_exact(clustered, BOX, 8, dist, idx)
 
 
+@pytest.mark.leg1
 def test_index_overflow_names_the_knob_and_grows(clustered):
     # The index keeps only the valid rows of the padded exchange buffers, at most
     # index_factor * n0 of them: a factor below what a device holds must be reported.
