@@ -215,8 +215,8 @@ def _batch_work(search: LocalSearch, slots, used, radius, batch: int, plan_batch
         i, work = carry
         cut = lax.dynamic_slice_in_dim(slots, i * per_step, per_step)  # (per_step, B)
         region = search.plan(*search.batch_queries(cut, radius))
-        return i + 1, lax.dynamic_update_slice_in_dim(work, jnp.sum(region.count, axis=1, dtype=int32),
-                                                      i * per_step, 0)
+        count = jnp.sum(region.count, axis=1, dtype=int32)  # int32 under x64 too
+        return i + 1, lax.dynamic_update_slice_in_dim(work, count, i * per_step, 0)
 
     steps = (used + per_step * batch - 1) // (per_step * batch)
     _, work = lax.while_loop(lambda c: c[0] < steps, step,
