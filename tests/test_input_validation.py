@@ -287,6 +287,7 @@ def test_bad_masses_raise_outside_jit(mass):
         jh.knn_density(true, BOX, 8, mass=jnp.asarray(given))
 
 
+@pytest.mark.leg1
 @pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
 def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
     true, mass, bad = _bad_masses()

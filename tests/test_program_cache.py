@@ -23,6 +23,7 @@ def test_default_budget_is_half_the_kernel_limit():
     assert _frontend.ProgramCache(max_maps=5).budget() == 5
 
 
+@pytest.mark.leg1
 def test_maps_stay_bounded_when_more_programs_are_compiled_than_the_budget_holds(monkeypatch):
     """Five distinct FoF and kNN programs (512 points on a (2, 4) mesh, ~2,200 maps each)
     against a budget of two: the oldest are dropped and their maps released."""
