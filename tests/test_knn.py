@@ -313,14 +313,10 @@ def test_query_points(clustered):
     np.testing.assert_allclose(np.asarray(rho).reshape(990), want, rtol=1e-5)
     # A grid of query points sharded P("x", "y") comes back sharded so (it came back in
     # the program's own layout), with the same values.
-    grid = _shard_grid(mesh, query[:128].reshape(4, 4, 8, 3))
+    grid = jax.device_put(query[:128].reshape(4, 4, 8, 3), NamedSharding(mesh, P("x", "y")))
     rho_grid = jh.knn_density(particles, BOX, k, query=grid)
     assert rho_grid.sharding.is_equivalent_to(NamedSharding(mesh, P("x", "y")), 3)
     np.testing.assert_allclose(np.asarray(rho_grid).reshape(128), want[:128], rtol=1e-5)
-
-
-def _shard_grid(mesh, x):
-    return jax.device_put(x, NamedSharding(mesh, P("x", "y")))
 
 
 def test_overdensity_of_equal_masses_is_the_same_bits_on_every_mesh(clustered):

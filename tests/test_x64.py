@@ -1,6 +1,6 @@
 """With ``jax_enable_x64`` (as JaxPM users often set for float64 states), FoF, kNN and
-``InSitu`` run on float32 and float64 positions on a device mesh, and equal
-the serial references. Before, every kNN call failed with a JAX-internal ``TypeError``
+``InSitu`` run on float32 and float64 positions on a device mesh, and equal the serial
+references. Before, every kNN call failed with a JAX-internal ``TypeError``
 (an int64 sum written into an int32 buffer) and FoF on float64 positions with a shape
 error (float64 bits read as two int32 words).
 
