@@ -19,6 +19,8 @@ fixed number of rows; the rows each one needed are returned for :class:`~._statu
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -340,8 +342,14 @@ def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: in
     return ext, Ghosts(tuple(sends)), need
 
 
-class Decomposition(NamedTuple):
-    """One device's share of a snapshot: its migrated particles, plus ghosts of width ``width``.
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["migrated", "ext", "ghosts", "need_ghosts"],
+                   meta_fields=["width"])
+@dataclasses.dataclass(frozen=True)
+class Decomposition:
+    """One device's share of a snapshot: its migrated particles, plus ghosts of width
+    ``width`` (box units, static: an analysis that needs a wider layer is refused while
+    it is traced, not answered wrong).
 
     Computed once per snapshot and shared by every analysis (FoF, kNN, user analyses).
     ``ext`` rows ``[:capacity]`` are the owned rows of ``migrated`` in the same order.
@@ -351,6 +359,7 @@ class Decomposition(NamedTuple):
     ext: Extended
     ghosts: Ghosts
     need_ghosts: jax.Array
+    width: float
 
 
 def decompose(pencils: Pencils, fields: dict, valid, width: float, transfer_rows: int,
@@ -365,4 +374,4 @@ def with_ghosts(pencils: Pencils, migrated: Migrated, width: float,
     """The decomposition of already migrated particles with ghosts of the given width."""
     ext, ghosts, need = build_ghosts(pencils, migrated.payload["pos"], migrated.payload["id"],
                                      migrated.valid, width, ghost_rows)
-    return Decomposition(migrated, ext, ghosts, need)
+    return Decomposition(migrated, ext, ghosts, need, float(width))

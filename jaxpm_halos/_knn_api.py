@@ -377,19 +377,28 @@ def knn_density_on_plan(plan: Plan, decomposition: Decomposition, k: int, config
     return rho, status
 
 
-def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int, width: float,
-                         *, mass=None, config: KNNConfig = KNNConfig(), n0: int):
+def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int,
+                         width: float | None = None, *, mass=None,
+                         config: KNNConfig = KNNConfig(), n0: int):
     """kNN of the owned particles of a shared :class:`~._domain.Decomposition`.
 
-    The decomposition's ghost layer must be at least ``width`` wide, with ``width`` at most
-    the layer it was built with (use :func:`~._knn.ghost_width` for the default). ``mass``
-    gives per-owned-row masses (default: the migrated ``mass`` field).
+    ``width`` (box units) is the ghost layer the search trusts: by default the layer the
+    decomposition was built with; a narrower one is allowed (more spheres are completed
+    across devices), a wider one raises ``ValueError`` (it would miss neighbours and still
+    report success). ``mass`` gives per-owned-row masses (default: the migrated ``mass``
+    field).
 
     Returns ``(result, status)``: ``result`` holds, per owned row in the decomposition's
     order, ``dist`` (rows, k) (differentiable, NaN in padding), ``idx`` (global ids, -1 in
     padding), ``neighbour_mass`` (rows, k) and ``ok`` (rows,). ``status`` covers the
     search only (the decomposition's buffers are the caller's).
     """
+    if width is None:
+        width = decomposition.width
+    if not 0 <= width <= decomposition.width:
+        raise ValueError(f"knn_on_decomposition: width={width} is not within the "
+                         f"decomposition's ghost layer ({decomposition.width}); pass a width "
+                         "at most that, or leave it out to use the layer's own")
     mig = decomposition.migrated
     if mass is None:
         mass = mig.payload.get("mass", jnp.ones(mig.payload["id"].shape, decomposition.ext.pos.dtype))

@@ -89,13 +89,12 @@ class Snapshot:
 
     def knn(self, k: int, *, mass=None, config: KNNConfig = KNNConfig()):
         """:func:`~jaxpm_halos.knn_on_decomposition` of the owned particles on this
-        snapshot's own ghost layer (``self.width``), the safe way to call it here: a width
-        wider than the layer the decomposition was built with would miss neighbours and
-        still report success. Spheres wider than the layer are completed across devices,
-        so any width is exact; register the analysis with a ``width`` near the k-th
-        neighbour distance to keep that pass small. Returns ``(result, status)``."""
-        return knn_on_decomposition(self.pencils, self.decomposition, k, self.width,
-                                    mass=mass, config=config, n0=self.n0)
+        snapshot's own ghost layer (``self.width``). Spheres wider than the layer are
+        completed across devices, so any width is exact; register the analysis with a
+        ``width`` near the k-th neighbour distance to keep that pass small. Returns
+        ``(result, status)``."""
+        return knn_on_decomposition(self.pencils, self.decomposition, k, mass=mass,
+                                    config=config, n0=self.n0)
 
     @property
     def pencils(self) -> Pencils:

@@ -460,6 +460,32 @@ def test_knn_on_decomposition_shares_the_domain(clustered):
                  (np.asarray(want_dist)[ids[valid]], np.asarray(want_idx)[ids[valid]]))
 
 
+def test_knn_on_decomposition_refuses_a_width_wider_than_the_layer(clustered):
+    """The decomposition records its ghost layer, so a wider search width (which would miss
+    neighbours beyond the layer and report ok) is refused while tracing."""
+    from jaxpm_halos._domain import decompose
+    from jaxpm_halos._geometry import wrap
+    from jaxpm_halos._layout import Pencils
+
+    mesh = make_mesh((2, 4))
+    pencils = Pencils("x", "y", 2, 4, BOX)
+    width = 1.5
+
+    def step(block):
+        n = block.shape[0]
+        fields = {"pos": wrap(block, BOX), "id": jnp.arange(n, dtype=jnp.int32)}
+        dec = decompose(pencils, fields, jnp.ones(n, bool), width, n, 2 * n, 2 * n)
+        assert dec.width == width
+        result, _ = jh.knn_on_decomposition(pencils, dec, 8, width + 0.5, n0=n)
+        return result["dist"]
+
+    spec = P(("x", "y"))
+    with pytest.raises(ValueError, match=r"width=2.0 is not within the decomposition's "
+                                         r"ghost layer \(1.5\)"):
+        jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec,
+                              check_vma=False)).trace(_shard(mesh, clustered))
+
+
 def test_non_finite_positions_are_reported_and_excluded(clustered):
     bad = clustered.copy()
     bad[7] = np.nan
