@@ -1,5 +1,6 @@
 """The JaxPM extension: entry point, user analyses, in-situ runs inside diffeqsolve, errors."""
 
+import dataclasses
 import re
 from importlib.metadata import entry_points
 
@@ -565,7 +566,10 @@ def test_every_analysis_status_covers_the_shared_decomposition():
     the eager call grows the buffers and equals knn_density afterwards."""
     mesh = make_mesh((2, 4))
     y, box = _collapsed_state(mesh), 32.0
-    insitu = InSitu(box_size=box, analyses=("fof", "knn_density"), k=8)
+    # Sized so that only the ghost buffer overflows: one growth round, not three.
+    fits = jaxpm_halos.DomainConfig(capacity_factor=8.8, transfer_factor=2.21, ghost_factor=7.0)
+    domain = dataclasses.replace(fits, ghost_factor=jaxpm_halos.DomainConfig().ghost_factor)
+    insitu = InSitu(box_size=box, analyses=("fof", "knn_density"), k=8, domain=domain)
     out = jax.jit(lambda y: insitu(y, 1.0))(y)
     assert not bool(out["domain"].ok)
     assert not bool(out["knn_density"]["status"].ok)
@@ -575,7 +579,8 @@ def test_every_analysis_status_covers_the_shared_decomposition():
             check(part, insitu)
     with pytest.warns(jaxpm_halos.GrowthWarning):
         grown = insitu(y, 1.0)
-    want = jaxpm_halos.knn_density(from_jaxpm(y, box_size=box), k=8)
+    want = jaxpm_halos.knn_density(from_jaxpm(y, box_size=box), k=8,
+                                   config=jaxpm_halos.KNNConfig(domain=fits))
     np.testing.assert_array_equal(np.asarray(grown["knn_density"]["density"]), np.asarray(want))
 
 

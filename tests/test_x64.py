@@ -14,7 +14,7 @@ from pathlib import Path
 
 CHILD = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     jax.config.update("jax_enable_x64", True)
