@@ -95,10 +95,10 @@ def test_two_processes_equal_one(tmp_path, jaxpm_snapshot_32):
     script.write_text(CHILD)
     # The children compile as this process does (the same XLA flags, e.g. .ci/run's leg 2
     # optimisation level, which changes bits), on 4 devices each.
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=4"]),
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    count = "--xla_force_host_platform_device_count"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags + [f"{count}=4"]), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     port = _free_port()
     children = [subprocess.Popen(
         [sys.executable, str(script), str(pid), str(port), str(tmp_path), str(npz),
