@@ -15,6 +15,8 @@ from jaxpm_halos import from_jaxpm, units
 from jaxpm_halos.extension import REGISTRY, InSitu, check, register
 from jaxpm_halos.io import gather_catalogue
 
+pytestmark = pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
+
 NEEDS_KNN = pytest.mark.skipif("knn_density" not in REGISTRY,
                                reason="the knn_density analysis is not registered yet")
 

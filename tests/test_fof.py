@@ -79,6 +79,7 @@ def _assert_catalogue(got, want):
 _RESULTS = {}
 
 
+@pytest.mark.optimised
 def test_labels_and_catalogue_match_scipy(adversarial, mesh):
     pos, vel, mass, want_labels, want_cat = adversarial
     assert len(want_cat["id"]) >= 20 and np.bincount(want_labels).max() >= 40
@@ -95,6 +96,7 @@ def test_labels_and_catalogue_match_scipy(adversarial, mesh):
     _RESULTS[tuple(mesh.shape.values())] = got
 
 
+@pytest.mark.optimised
 def test_unsharded_numpy_input_and_mesh_invariance(adversarial):
     pos, vel, mass, want_labels, want_cat = adversarial
     labels, cat = jh.fof(pos, BOX, L_LINK, vel=vel, mass=mass, min_members=MIN_MEMBERS,
@@ -463,6 +465,7 @@ def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survive
                                   ref.fof_labels(pos, 100.0, 2.5))
 
 
+@pytest.mark.optimised
 def test_compiler_options_for_a_users_jit_give_the_same_bits():
     """``jaxpm_halos.compiler_options()`` (XLA's memory-minimising scheduler on CPU) in a
     user's own jit changes the schedule, not the results; it is a fresh dict per call."""

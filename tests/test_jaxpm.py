@@ -12,6 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpm_halos import Particles, from_jaxpm
 
+pytestmark = pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
+
 
 def lattice(nc):
     return np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), axis=-1)

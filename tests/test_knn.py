@@ -106,10 +106,12 @@ def unsharded(clustered):
     return jh.knn(clustered, BOX, 8)
 
 
+@pytest.mark.optimised
 def test_unsharded_matches_scipy(clustered, unsharded):
     _check_exact(clustered, BOX, 8, *unsharded)
 
 
+@pytest.mark.optimised
 @pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_every_mesh_matches_scipy_and_the_unsharded_result(clustered, unsharded, shape):
     mesh = make_mesh(shape)

@@ -12,6 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
+
 CHILD = textwrap.dedent("""
     import os
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
