@@ -58,6 +58,12 @@ def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
 def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None, queries=None):
     """``(neighbours, status, total_mass)`` of the owned rows (or of ``queries``, migrated
     query rows ``(pos, valid)``) on one decomposition."""
+    if not 0 <= plan.width <= decomposition.width:
+        # A search trusting a wider layer than the ghosts hold would miss neighbours and
+        # still report ok.
+        raise ValueError(f"kNN: width={plan.width} is not within the decomposition's ghost "
+                         f"layer ({decomposition.width}); pass a width at most that, or leave "
+                         "it out to use the layer's own")
     mig = decomposition.migrated
     if mass is None:
         mass = mig.payload["mass"]
@@ -395,10 +401,6 @@ def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int,
     """
     if width is None:
         width = decomposition.width
-    if not 0 <= width <= decomposition.width:
-        raise ValueError(f"knn_on_decomposition: width={width} is not within the "
-                         f"decomposition's ghost layer ({decomposition.width}); pass a width "
-                         "at most that, or leave it out to use the layer's own")
     mig = decomposition.migrated
     if mass is None:
         mass = mig.payload.get("mass", jnp.ones(mig.payload["id"].shape, decomposition.ext.pos.dtype))
