@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ._config import CAPACITY, GHOSTS, IMAGES, TRANSFER, DomainConfig, Knob
@@ -289,6 +290,39 @@ def leaf_kinds(declared, result):
 
 def _is_status(x) -> bool:
     return isinstance(x, Status)
+
+
+def replication_status(pencils: Pencils, outputs: dict, declared: dict) -> Status:
+    """A status flagging each output leaf declared ``"replicated"`` (``declared`` maps
+    analysis names to their prefix trees of kinds) whose bits differ between devices: this
+    library's ``shard_map`` does not check replication, so such a leaf would come back as
+    one device's value. Statuses inside are skipped (they are maxima over devices). Costs
+    one ``pmin`` and one ``pmax`` per leaf; nothing on one device."""
+    axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
+    names, flags = [], []
+    for name, out in outputs.items():
+        plain = jax.tree.map(lambda x: None if _is_status(x) else x, out, is_leaf=_is_status)
+        paths = jax.tree_util.tree_flatten_with_path(plain)[0]
+        for (path, leaf), kind in zip(paths, jax.tree.leaves(leaf_kinds(declared[name], plain))):
+            if kind == "replicated" and axes:
+                bits = _bits(leaf)
+                flags.append(jnp.any(lax.pmin(bits, axes) != lax.pmax(bits, axes)))
+                names.append(f"analysis {name!r}, output {jax.tree_util.keystr(path) or 'value'}")
+    unreplicated = jnp.stack(flags) if flags else jnp.zeros((0,), bool)
+    return Status({}, jnp.int32(0), (), unreplicated, tuple(names))
+
+
+def _bits(x):
+    """``x`` as integers of the same bits (bools as int32), compared exactly: NaN equals
+    the same NaN and -0.0 differs from 0.0."""
+    x = jnp.asarray(x)
+    if x.dtype == bool:
+        return x.astype(jnp.int32)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([x.real, x.imag])
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.bitcast_convert_type(x, jnp.dtype(f"int{8 * x.dtype.itemsize}"))
+    return x
 
 
 def pack_rows(tree):

@@ -95,6 +95,7 @@ class FailureKind(enum.Enum):
 
     NONFINITE = "positions or masses that are NaN, inf or unusable were excluded"
     OVERFLOW = "a fixed-size buffer was too small"
+    UNREPLICATED = "an analysis output declared 'replicated' differs between devices"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +104,9 @@ class Failure:
 
     Attributes:
       kind: a :class:`FailureKind`.
-      count: excluded particles (NONFINITE), or rows the buffer needed per device (OVERFLOW).
-      buffer: the buffer's name (OVERFLOW), else None.
+      count: excluded particles (NONFINITE), rows the buffer needed per device (OVERFLOW),
+        or outputs that differ between devices (UNREPLICATED).
+      buffer: the buffer's name (OVERFLOW), the outputs' names (UNREPLICATED), else None.
       limit: its :class:`Limit` (OVERFLOW), else None.
       needed: the rows to provide: the largest need among buffers sharing the knob.
       last: whether this was the last buffer of the pipeline (later ones saw truncated data).
@@ -130,6 +132,11 @@ class Failure:
             return (f"jaxpm_halos: {self.count} particle positions (or masses) are NaN, inf or "
                     "unusable; they were excluded. Clean the input (or mask those particles) "
                     "and rerun.")
+        if self.kind is FailureKind.UNREPLICATED:
+            return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
+                    "every device (only one device's value would come back). Reduce it over "
+                    "the snapshot's mesh axes (snap.pencils.x_axis and y_axis, e.g. "
+                    "lax.psum), or declare it 'device' to get every device's value.")
         knob = self.limit.knob
         if self.limit.most is not None and self.limit.unbounded(self.needed) > self.limit.most:
             return (f"jaxpm_halos: buffer '{self.buffer}' needs {knob} = "
@@ -148,7 +155,8 @@ class Failure:
         return text
 
     def error(self, config=None, argument: str = "{}") -> Exception:
-        kind = InvalidInputError if self.kind is FailureKind.NONFINITE else CapacityError
+        kind = {FailureKind.NONFINITE: InvalidInputError,
+                FailureKind.UNREPLICATED: ValueError}.get(self.kind, CapacityError)
         error = kind(self.message(config, argument))
         error.failure = self
         return error
@@ -175,17 +183,21 @@ class Status:
     ``needed`` maps a buffer name to an int32 scalar; ``limits`` (static) maps the same names
     to their :class:`Limit`, in pipeline order. ``nonfinite`` counts particles whose position
     was NaN or inf: they were excluded from every result. A status covers every buffer its
-    result depends on, the shared decomposition included.
+    result depends on, the shared decomposition included. ``unreplicated`` (bool, one per
+    name in the static ``replicated``) flags the outputs of in-situ user analyses declared
+    ``"replicated"`` that were not the same on every device.
     """
 
     needed: Mapping[str, jax.Array]
     nonfinite: jax.Array
     limits: tuple[tuple[str, Limit], ...] = dataclasses.field(metadata=dict(static=True))
+    unreplicated: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((0,), bool))
+    replicated: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def ok(self) -> jax.Array:
         """Scalar bool: every buffer fitted and every position was finite."""
-        good = self.nonfinite == 0
+        good = (self.nonfinite == 0) & ~jnp.any(self.unreplicated)
         for name, limit in self.limits:
             good = good & (self.needed[name] <= limit.rows)
         return good
@@ -199,13 +211,16 @@ class Status:
                 raise ValueError(f"two different buffers are both named {name!r}")
         needed = {**self.needed, **other.needed}
         limits = self.limits + tuple(item for item in other.limits if item[0] not in mine)
-        return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite), limits)
+        return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite), limits,
+                      jnp.concatenate([self.unreplicated, other.unreplicated], axis=-1),
+                      self.replicated + other.replicated)
 
     def renamed(self, prefix: str) -> "Status":
         """The same status with ``prefix`` before every buffer name (to merge it with a
         status of other buffers of the same names)."""
         return Status({prefix + name: value for name, value in self.needed.items()},
-                      self.nonfinite, tuple((prefix + name, limit) for name, limit in self.limits))
+                      self.nonfinite, tuple((prefix + name, limit) for name, limit in self.limits),
+                      self.unreplicated, self.replicated)
 
     def failure(self) -> Failure | None:
         """Host-side: the first failure, or None when all is well."""
@@ -220,7 +235,12 @@ class Status:
             needed = max(needs[n] for n, other in self.limits if other.knob == limit.knob)
             return Failure(FailureKind.OVERFLOW, needs[name], name, limit, needed,
                            last=position + 1 == len(self.limits))
-        return None
+        if not self.replicated:
+            return None
+        # (..., R) when stacked over snapshots: an output that differed at any of them.
+        differs = np.asarray(self.unreplicated).reshape(-1, len(self.replicated)).any(axis=0)
+        names = [name for name, bad in zip(self.replicated, differs) if bad]
+        return Failure(FailureKind.UNREPLICATED, len(names), ", ".join(names)) if names else None
 
     def message(self, config=None, argument: str = "{}") -> str | None:
         """Host-side: the error message for the first failure (see :meth:`Failure.message`),
@@ -248,7 +268,8 @@ class Status:
         own class alone (e.g. a ``DomainConfig``, to put inside yours).
         """
         x, status = lax.optimization_barrier((x, self))
-        token = _on_every_device(status, _raise_on_failure(status.limits, config))
+        token = _on_every_device(status, _raise_on_failure(status.limits, status.replicated,
+                                                           config))
         x, _ = lax.optimization_barrier((x, token))
         return x
 
@@ -258,28 +279,30 @@ class Status:
         self.error_if(self.nonfinite, config)
 
 
-def _raise_on_failure(limits, config):
-    def check(needed, nonfinite):
-        Status(needed, nonfinite, limits).check(config, "{}" if config is None else "config={}")
+def _raise_on_failure(limits, replicated, config):
+    def check(needed, nonfinite, unreplicated):
+        Status(needed, nonfinite, limits, unreplicated, replicated).check(
+            config, "{}" if config is None else "config={}")
 
     return check
 
 
 def _on_every_device(status: Status, check):
-    """Run the host ``check(needed, nonfinite)`` on every device of the status's mesh (the
-    status is replicated), returning a token that depends on it. A callback on one device
-    only would fail there while the others wait in their next collective."""
-    leaves = (dict(status.needed), status.nonfinite)
+    """Run the host ``check(needed, nonfinite, unreplicated)`` on every device of the
+    status's mesh (the status is replicated), returning a token that depends on it. A
+    callback on one device only would fail there while the others wait in their next
+    collective."""
+    leaves = (dict(status.needed), status.nonfinite, status.unreplicated)
 
-    def local(needed, nonfinite):
-        jax.debug.callback(check, needed, nonfinite)
+    def local(needed, nonfinite, unreplicated):
+        jax.debug.callback(check, needed, nonfinite, unreplicated)
         return jnp.zeros((1,), jnp.int32)
 
     mesh = _mesh_of(status.nonfinite)
     if mesh is None:
         return local(*leaves)
     axes = tuple(mesh.axis_names)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P()), out_specs=P(axes),
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(axes),
                          check_vma=False)(*leaves)
 
 

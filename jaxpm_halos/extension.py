@@ -49,7 +49,7 @@ from ._knn import ghost_width as knn_ghost_width, overdensity
 from ._knn_api import check_k, knn_density_on_plan, knn_on_decomposition
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
-from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
+from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, replication_status, run_sharded
 from ._so import resolve_radius
 from ._retry import run_growing
 from ._saveloop import pin_to_save_loop
@@ -531,6 +531,10 @@ def _compiled(insitu: InSitu, problem, dtype, generation: int):
         steps = {an.name: step(an) for an in selected}
         valid = jnp.ones(fields["pos"].shape[0], bool)
         outputs, kinds = on_device(plan, fields, valid, block, steps)
+        # Same leaves as before (an empty flag array becomes one per checked output).
+        outputs["domain"] = outputs["domain"].merge(replication_status(
+            pencils, {an.name: outputs[an.name] for an in selected},
+            {an.name: an.outputs for an in selected}))
         return {"a": a, **outputs}, {"a": "replicated", **kinds}
 
     state_spec = P(None, *layout.spec, None)

@@ -90,6 +90,41 @@ def test_user_analysis_comes_back_in_grid_layout(speed_analysis, mesh_shape):
             assert res[key].sharding.is_equivalent_to(NamedSharding(mesh, P("x", "y")), 3)
 
 
+def test_a_replicated_output_that_differs_between_devices_is_an_error():
+    """A "replicated" output comes back as one device's value, so one that differs between
+    devices (a per-device sum, not reduced over the mesh) would be a plausible wrong
+    answer: it raises outside jit, and inside jit the domain status and check() say which
+    output it was."""
+    name, nc, box = "test_x_sum", 16, 32.0
+
+    @register(name, outputs={"local": "replicated", "total": "replicated"})
+    def x_sum(snap):
+        local = jnp.sum(jnp.where(snap.valid, snap.particles.pos[:, 0], 0.0))
+        axes = tuple(a for a in (snap.pencils.x_axis, snap.pencils.y_axis) if a)
+        return {"local": local, "total": jax.lax.psum(local, axes)}
+
+    try:
+        insitu = InSitu(box_size=box, analyses=(name,))
+        y = np.zeros((2, nc, nc, nc, 3), np.float32)  # the lattice: x sums differ by pencil
+        y_mesh = jax.device_put(y, state_sharding(make_mesh((2, 4))))
+        wrong = r"analysis 'test_x_sum', output \['local'\] declared 'replicated' but not the same"
+        with pytest.raises(ValueError, match=wrong):
+            insitu(y_mesh, 1.0)
+        out = jax.jit(lambda y: insitu(y, 1.0))(y_mesh)
+        assert not bool(out["domain"].ok)
+        with pytest.raises(ValueError, match=wrong) as error:
+            check(out, insitu)
+        assert "total" not in str(error.value)
+        want = nc ** 2 * (box / nc) * nc * (nc - 1) / 2
+        assert float(out[name]["total"]) == pytest.approx(want, rel=1e-6)
+        # On one device every output is the same on every device.
+        single = insitu(jnp.asarray(y), 1.0)
+        assert bool(single["domain"].ok)
+        assert float(single[name]["local"]) == pytest.approx(want, rel=1e-6)
+    finally:
+        REGISTRY.pop(name)
+
+
 # ----------------------------------------------------------------------------------------
 # A real distributed JaxPM run with the analyses inside diffeqsolve
 
