@@ -196,8 +196,9 @@ class Status:
 
     @property
     def ok(self) -> jax.Array:
-        """Scalar bool: every buffer fitted and every position was finite."""
-        good = (self.nonfinite == 0) & ~jnp.any(self.unreplicated)
+        """Scalar bool: every buffer fitted, every position was finite and every output
+        declared replicated was the same on every device."""
+        good = (self.nonfinite == 0) & ~jnp.any(self.unreplicated, axis=-1)
         for name, limit in self.limits:
             good = good & (self.needed[name] <= limit.rows)
         return good
