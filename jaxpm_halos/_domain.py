@@ -63,6 +63,11 @@ def pmax_all(pencils: Pencils, value):
     return lax.pmax(value, axes) if axes else value
 
 
+def pmin_all(pencils: Pencils, value):
+    axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
+    return lax.pmin(value, axes) if axes else value
+
+
 def psum_all(pencils: Pencils, value):
     axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
     return lax.psum(value, axes) if axes else value

@@ -22,8 +22,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ._config import CAPACITY, GHOSTS, IMAGES, TRANSFER, DomainConfig, Knob
-from ._domain import Decomposition, Migrated, decompose, migrate, pmax_all, psum_all, return_trip
-from ._domain import with_ghosts
+from ._domain import Decomposition, Migrated, decompose, migrate, pmax_all, pmin_all, psum_all
+from ._domain import return_trip, with_ghosts
 from ._layout import Layout, Pencils, width_fraction
 from ._status import Limit, Status, is_traced
 
@@ -297,16 +297,15 @@ def replication_status(pencils: Pencils, outputs: dict, declared: dict) -> Statu
     analysis names to their prefix trees of kinds) whose bits differ between devices: this
     library's ``shard_map`` does not check replication, so such a leaf would come back as
     one device's value. Statuses inside are skipped (they are maxima over devices). Costs
-    one ``pmin`` and one ``pmax`` per leaf; nothing on one device."""
-    axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
+    one ``pmin`` and one ``pmax`` per leaf; on one device the flags are constant False."""
     names, flags = [], []
     for name, out in outputs.items():
         plain = jax.tree.map(lambda x: None if _is_status(x) else x, out, is_leaf=_is_status)
         paths = jax.tree_util.tree_flatten_with_path(plain)[0]
         for (path, leaf), kind in zip(paths, jax.tree.leaves(leaf_kinds(declared[name], plain))):
-            if kind == "replicated" and axes:
+            if kind == "replicated":
                 bits = _bits(leaf)
-                flags.append(jnp.any(lax.pmin(bits, axes) != lax.pmax(bits, axes)))
+                flags.append(jnp.any(pmin_all(pencils, bits) != pmax_all(pencils, bits)))
                 names.append(f"analysis {name!r}, output {jax.tree_util.keystr(path) or 'value'}")
     unreplicated = jnp.stack(flags) if flags else jnp.zeros((0,), bool)
     return Status({}, jnp.int32(0), (), unreplicated, tuple(names))
