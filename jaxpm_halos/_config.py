@@ -256,3 +256,9 @@ REMOTE = Knob(KNNConfig, "remote_factor")
 KNN_INDEX = Knob(KNNConfig, "index_factor")
 SO_RADIUS = Knob(SOConfig, "radius")
 SO_PAIRS = Knob(SOConfig, "pair_factor")
+
+# Knobs of buffers that hold particle rows (or copies of them). An earlier buffer's overflow
+# only drops rows, so their needs are then lower bounds, never overshoots: they are safe to
+# grow in the same round as that earlier buffer (Status.failure). A derived count (halos,
+# remote queries, SO pairs) can grow on truncated data, so it waits for the next round.
+PARTICLE_KNOBS = frozenset({TRANSFER, CAPACITY, GHOSTS, IMAGES, KNN_INDEX})

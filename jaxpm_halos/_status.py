@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ._config import Knob
+from ._config import PARTICLE_KNOBS, Knob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,8 @@ class Failure:
       limit: its :class:`Limit` (OVERFLOW), else None.
       needed: the rows to provide: the largest need among buffers sharing the knob.
       last: whether this was the last buffer of the pipeline (later ones saw truncated data).
+      also: later buffers of the same config class that overflowed too and hold particle
+        rows (``PARTICLE_KNOBS``), as ``(name, limit, needed)``: grown in the same round.
     """
 
     kind: FailureKind
@@ -118,10 +120,20 @@ class Failure:
     limit: Limit | None = None
     needed: int = 0
     last: bool = True
+    also: tuple[tuple[str, Limit, int], ...] = ()
+
+    def settings(self, margin: float = 1.0) -> dict:
+        """``{knob: value that fits}`` for the overflowing knob and those of :attr:`also`."""
+        settings = {self.limit.knob: self.limit.suggest(self.needed, margin)}
+        for _, limit, needed in self.also:
+            settings.setdefault(limit.knob, limit.suggest(needed, margin))
+        return settings
 
     def grown(self, config, margin: float = 1.0):
-        """``config`` with the overflowing knob set to a value that fits."""
-        return with_setting(config, self.limit.knob, self.limit.suggest(self.needed, margin))
+        """``config`` with the overflowing knobs set to values that fit."""
+        for knob, value in self.settings(margin).items():
+            config = with_setting(config, knob, value)
+        return config
 
     def message(self, config=None, argument: str = "{}") -> str:
         """The error message. With the caller's ``config`` (e.g. the ``FoFConfig`` it ran
@@ -143,12 +155,17 @@ class Failure:
                     f"{self.limit.unbounded(self.needed)!r}, but it can be at most "
                     f"{self.limit.most:.3g} here: {self.limit.beyond}")
         if config is None:
-            setting = f"{knob.owner.__name__}({knob.field}={self.limit.suggest(self.needed)!r})"
+            fields = ", ".join(f"{k.field}={v!r}" for k, v in self.settings().items())
+            setting = f"{knob.owner.__name__}({fields})"
         else:
             setting = spell_config(self.grown(config), keep=knob)
         text = (f"jaxpm_halos: buffer '{self.buffer}' overflowed: {self.count} rows were needed "
                 f"per device but {knob} gives {self.limit.rows}. Rerun with "
                 f"{argument.format(setting)}.")
+        if self.also:
+            names = ", ".join(f"'{name}'" for name, _, _ in self.also)
+            text += (f" It also grows {names}, which overflowed too (to what they needed "
+                     "here, on data an earlier buffer cut: they may need more).")
         if not self.last:
             text += (" Buffers after this one saw truncated data; if one of them overflows "
                      "next, its error will say so.")
@@ -229,13 +246,17 @@ class Status:
         if nonfinite:
             return Failure(FailureKind.NONFINITE, nonfinite)
         needs = {name: int(np.max(np.asarray(self.needed[name]))) for name, _ in self.limits}
+        # Buffers sharing a knob are resized together.
+        knob_need = lambda knob: max(needs[n] for n, other in self.limits if other.knob == knob)
         for position, (name, limit) in enumerate(self.limits):
             if needs[name] <= limit.rows:
                 continue
-            # Buffers sharing a knob are resized together.
-            needed = max(needs[n] for n, other in self.limits if other.knob == limit.knob)
-            return Failure(FailureKind.OVERFLOW, needs[name], name, limit, needed,
-                           last=position + 1 == len(self.limits))
+            also = tuple((later, other, knob_need(other.knob))
+                         for later, other in self.limits[position + 1:]
+                         if needs[later] > other.rows and other.knob in PARTICLE_KNOBS
+                         and other.knob.owner is limit.knob.owner)
+            return Failure(FailureKind.OVERFLOW, needs[name], name, limit, knob_need(limit.knob),
+                           last=position + 1 == len(self.limits), also=also)
         if not self.replicated:
             return None
         # (..., R) when stacked over snapshots: an output that differed at any of them.

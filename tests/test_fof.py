@@ -223,14 +223,16 @@ def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
 
 @pytest.mark.leg1
 def test_suggestions_applied_as_written_keep_earlier_fixes(adversarial):
-    """Several knobs too small at once: each error's suggestion is the whole config with one
-    knob fixed, so pasting it as written converges (it used to name the knob alone, and a
-    config rebuilt from that lost the previous fix)."""
+    """Several knobs too small at once: each error's suggestion is the whole config with the
+    overflowing knob fixed, so pasting it as written converges (it used to name the knob
+    alone, and a config rebuilt from that lost the previous fix). The decomposition's
+    particle buffers that overflowed together grow in one suggestion; the halo count,
+    measured on cut groups, waits for its own."""
     pos, _, _, want_labels, _ = adversarial
     (p,) = _shard(make_mesh((2, 4)), pos)
     config = jh.FoFConfig(max_halos=2, domain=jh.DomainConfig(ghost_factor=0.001,
                                                              image_factor=0.001))
-    fixed = []
+    fixed, messages = [], []
     for _ in range(4):
         try:
             labels, _ = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config,
@@ -240,13 +242,32 @@ def test_suggestions_applied_as_written_keep_earlier_fixes(adversarial):
             setting = re.search(r"Rerun with config=(FoFConfig\(.*?\))\.(?: |$)", str(error))
             assert setting, str(error)
             fixed.append(re.search(r"but (\w+\.\w+) gives", str(error)).group(1))
+            messages.append(str(error))
             config = eval(setting.group(1), {"FoFConfig": jh.FoFConfig,
                                              "DomainConfig": jh.DomainConfig})
     else:
         pytest.fail(f"still overflowing after fixing {fixed}")
+    # The first suggestion grew the z images too, to what they needed on cut ghosts.
+    assert "also grows 'z images'" in messages[0] and "image_factor=0.001" not in messages[0]
     assert fixed == ["DomainConfig.ghost_factor", "DomainConfig.image_factor",
                      "FoFConfig.max_halos"]
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
+
+
+@pytest.mark.leg1
+def test_one_suggestion_fits_a_clump_that_overflows_transfer_and_capacity():
+    """Every particle in one clump: the rows sent to its device overflow the transfer
+    buffer, and the rows it holds its capacity. Both are particle counts (the cut transfer
+    can only lower the capacity's need), so one suggestion grows both and fits."""
+    rng = np.random.default_rng(0)
+    pos = ((np.array([1.0, 0.5, 2.0]) + rng.normal(0, 0.15, (N, 3))) % BOX).astype(np.float32)
+    (p,) = _shard(make_mesh((2, 4)), pos)
+    with pytest.raises(jh.CapacityError, match="also grows 'capacity'") as info:
+        jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, grow=False)
+    assert info.value.failure.buffer == "transfer"
+    labels, cat = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS,
+                         config=info.value.failure.grown(jh.FoFConfig()), grow=False)
+    np.testing.assert_array_equal(np.asarray(labels), ref.fof_labels(pos, BOX, L_LINK))
 
 
 def test_inside_jit_the_overflow_is_a_flag(adversarial):
