@@ -254,7 +254,7 @@ class Status:
             also = tuple((later, other, knob_need(other.knob))
                          for later, other in self.limits[position + 1:]
                          if needs[later] > other.rows and other.knob in PARTICLE_KNOBS
-                         and other.knob.owner is limit.knob.owner)
+                         and other.knob.owner is limit.knob.owner and other.knob != limit.knob)
             return Failure(FailureKind.OVERFLOW, needs[name], name, limit, knob_need(limit.knob),
                            last=position + 1 == len(self.limits), also=also)
         if not self.replicated:
