@@ -161,7 +161,9 @@ class KNNConfig:
         factor = self.remote_factor
         if factor is None:
             factor = 1.0 if capped else 1 / 64
-        return min(n0 * 2, max(32, _rows(factor, n0)))
+        # No cap here: the caller caps it at the device's query rows, which a clustered
+        # device can fill up to capacity_factor * n0.
+        return max(32, _rows(factor, n0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -252,6 +252,21 @@ def test_spheres_wider_than_the_ghost_layer_are_completed_across_devices(cluster
     _check_exact(clustered, BOX, 8, dist, idx)
 
 
+def test_a_clustered_device_may_complete_more_queries_remotely_than_two_n0():
+    """64 particles on 8 devices (n0 = 8), a clump of 21 on one device and k = 40: most of
+    its queries need the cross-device pass (28 rows). Its buffer was capped at 2 n0 = 16
+    rows, so growth stopped there and the suggestion pasted as written failed the same
+    way; now only the clump's capacity grows."""
+    rng = np.random.default_rng(1)
+    pos = rng.uniform(0, BOX, (64, 3)).astype(np.float32)
+    pos[:20] = pos[20] + rng.normal(0, 0.05, (20, 3)).astype(np.float32)
+    pos[30:34], pos[34] = BOX, 0.0  # at L (wrapped to 0) and at 0: exact duplicates
+    pos %= np.float32(BOX)
+    with pytest.warns(jh.GrowthWarning, match="capacity_factor"):
+        dist, idx = jh.knn(pos, BOX, 40, mesh=make_mesh((2, 4)))
+    _check_exact(pos, BOX, 40, dist, idx)
+
+
 @pytest.mark.slow
 def test_jaxpm_snapshot(jaxpm_snapshot_32):
     snap = jaxpm_snapshot_32
