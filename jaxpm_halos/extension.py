@@ -385,17 +385,27 @@ class InSitu:
     def saveat(self, ts, *, t0: float | None = None, t1: float | None = None):
         """A ``diffrax.SaveAt(ts=ts, fn=...)`` running the analyses at each time in ``ts``.
 
-        Pass the solve's ``t0``/``t1`` to have times outside ``[t0, t1]`` rejected here.
+        ``ts`` must be in the solve's direction (increasing from ``t0`` to ``t1``). Pass
+        the solve's ``t0``/``t1`` to have times outside ``[t0, t1]`` rejected here: diffrax
+        checks them only inside the solve, and on a mesh its check fails on one device
+        while the others wait in a collective, which aborts the process.
         Outputs come back stacked over snapshots; check them with :func:`check`.
         """
         import diffrax
 
         ts = np.asarray(ts, dtype=float).reshape(-1)
-        lo = -np.inf if t0 is None else t0
-        hi = np.inf if t1 is None else t1
+        backward = t0 is not None and t1 is not None and t1 < t0
+        lo, hi = (t1, t0) if backward else (t0, t1)
+        lo = -np.inf if lo is None else lo
+        hi = np.inf if hi is None else hi
         if ts.size == 0 or np.any((ts < lo) | (ts > hi)):
             raise ValueError(f"snapshot times {ts.tolist()} must be non-empty and lie in "
                              f"[{t0}, {t1}]")
+        steps = np.diff(ts)
+        if np.any(steps > 0 if backward else steps < 0):
+            raise ValueError(f"snapshot times {ts.tolist()} must be sorted in the solve's "
+                             f"direction ({'decreasing' if backward else 'increasing'}); "
+                             f"pass {sorted(ts.tolist(), reverse=backward)}")
         return diffrax.SaveAt(ts=jnp.asarray(ts), fn=lambda t, y, args: self(y, t))
 
 

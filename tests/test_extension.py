@@ -507,6 +507,22 @@ def test_snapshot_times_outside_the_solve(ts):
     insitu.saveat((0.1, 0.5, 1.0), t0=0.1, t1=1.0)  # the end points are fine
 
 
+@requires("diffrax")
+def test_snapshot_times_out_of_order_are_refused():
+    """diffrax refuses them only inside the solve, where on a mesh its check fails on one
+    device while the others wait in a collective, and the process aborts."""
+    insitu = InSitu(box_size=32.0, analyses=("fof",))
+    with pytest.raises(ValueError, match=r"sorted in the solve's direction \(increasing\); "
+                                         r"pass \[0.5, 1.0\]"):
+        insitu.saveat((1.0, 0.5), t0=0.1, t1=1.0)
+    with pytest.raises(ValueError, match="increasing"):
+        insitu.saveat((1.0, 0.5))
+    with pytest.raises(ValueError, match="decreasing"):
+        insitu.saveat((0.5, 1.0), t0=1.0, t1=0.1)
+    insitu.saveat((1.0, 0.5), t0=1.0, t1=0.1)  # a backward solve
+    insitu.saveat((0.5, 0.5, 1.0))  # a repeated time is a repeated snapshot
+
+
 @pytest.mark.parametrize("shape", [(16, 16, 16, 3), (3, 16, 16, 16, 3), (2, 16, 16, 8, 3),
                                    (2, 16, 16, 16, 2)])
 def test_state_of_the_wrong_shape(shape):
