@@ -305,8 +305,7 @@ class InSitu:
                            else tuple(self.analyses))
         for name in self.analyses:
             analysis(name)
-        if not self.box_size > 0:
-            raise ValueError(f"box_size must be positive, got {self.box_size}")
+        _check_positive("box_size", self.box_size)
         _check_positive("b", self.b)
         if self.omega_m is not None:
             _check_positive("omega_m", self.omega_m)

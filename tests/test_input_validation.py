@@ -207,6 +207,8 @@ def test_insitu_rejects_k_of_at_least_the_particle_count(k):
 def test_insitu_rejects_bad_settings_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         jh.InSitu(box_size=16.0, **kwargs)
+    with pytest.raises(ValueError, match=r"InSitu\(box_size=inf\): box_size must be positive"):
+        jh.InSitu(box_size=float("inf"))  # was accepted; fof refuses it
     insitu = jh.InSitu(box_size=16.0, min_members=np.int64(7), b=np.float32(0.25))
     assert insitu.min_members == 7 and type(insitu.min_members) is int
 

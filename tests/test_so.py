@@ -237,6 +237,9 @@ def test_so_density_limits():
     for bad in ("200", "abc", "-5c", 200):
         with pytest.raises(ValueError):
             units.so_density(bad, omega_m=0.3)
+    for a in (-1.0, 0.0, float("inf")):  # used to give a negative or meaningless threshold
+        with pytest.raises(ValueError, match="scale factor a must be positive and finite"):
+            units.so_density("200c", omega_m=0.3, a=a)
 
 
 @requires("jax_cosmo")
