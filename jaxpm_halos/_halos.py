@@ -158,6 +158,36 @@ def _so_names(names: tuple) -> tuple:
     return names
 
 
+# Named thresholds lie within ~1e4 of the mean density (Delta / Omega_m(a) at most). A
+# million times it means masses or positions in other units than Msun/h and Mpc/h.
+_MOST_OVER_MEAN = 1e6
+
+
+def _check_definition_units(names, densities, problem: Problem, args) -> None:
+    """Named SO definitions are in Msun/h per (Mpc/h)^3. Masses in another unit (unit
+    masses by default) would put every threshold far above the data's mean density and
+    give M = R = 0 for every halo: refuse that outside ``jit``."""
+    if is_traced(args, densities):
+        return
+    if problem.mass_kind == "static":
+        total_mass = problem.static_mass * problem.total
+    else:  # the masses are the last input: a replicated scalar, or rows (padding rows 0)
+        total_mass = float(jnp.sum(args[-1])) * (problem.total
+                                                 if problem.mass_kind == "scalar" else 1)
+    mean = total_mass / problem.box_size ** 3
+    if not mean > 0:
+        return
+    for name, density in zip(names, densities):
+        if not float(density) <= _MOST_OVER_MEAN * mean:
+            raise ValueError(
+                f"so={names!r}: the {name!r} threshold {float(density):.3g} is "
+                f"{float(density) / mean:.3g} times the data's mean density {mean:.3g} "
+                "(total mass / box_size**3), so every halo would get M = R = 0. Named "
+                "definitions are in Msun/h per (Mpc/h)^3: pass mass= in Msun/h "
+                "(units.particle_mass(omega_m, box_size, nc) for a JaxPM run) with positions "
+                "in Mpc/h, or so={name: density} in your units.")
+
+
 def check_centre(centre: str) -> str:
     if centre not in CENTRES:
         raise ValueError(f"centre must be one of {CENTRES}, got {centre!r}")
@@ -266,6 +296,8 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     if centre == "peak":
         k = check_k(k, problem.total, True, least=2)
     if names:
+        if not isinstance(so, Mapping):
+            _check_definition_units(names, densities, problem, args)
         args = args + (check_densities(densities)[0].astype(args[0].dtype),)
 
     def run(cfg):

@@ -328,5 +328,10 @@ def test_fof_so_definitions_about_the_centre_of_mass():
         _check(got["r" + name], got["m" + name], ref[:, d], thresholds[d], particle)
     with pytest.raises(ValueError, match="omega_m"):
         jh.fof(pos, box, b=0.2, so=("200c",))
+    # Unit masses (the default) with named definitions: every halo would get M = R = 0.
+    for mass in (None, np.ones(len(pos), np.float32)):
+        with pytest.raises(ValueError, match=r"'200c' threshold .* times the data's mean "
+                                             r"density .* pass mass= in Msun/h"):
+            jh.fof(pos, box, b=0.2, mass=mass, so=("200c",), omega_m=0.3)
     with pytest.raises(ValueError, match="centre"):
         jh.fof(pos, box, b=0.2, centre="middle")
