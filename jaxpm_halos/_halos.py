@@ -201,7 +201,9 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
         raise ValueError(f"the linking length must be positive, got {l}")
     wx, wy = problem.pencils.widths
     if ghost_width(l, problem.box_size) > min(wx, wy):
-        raise ValueError(f"linking length {l} is wider than a pencil ({min(wx, wy)}) of the "
+        raise ValueError(f"linking length {l} (with its float rounding margin, a ghost layer "
+                         f"of {ghost_width(l, problem.box_size):.7g}) is wider than a pencil "
+                         f"({min(wx, wy)}) of the "
                          f"({problem.pencils.px}, {problem.pencils.py}) mesh; use fewer devices "
                          "along that axis")
     if 3 * l > problem.box_size:

@@ -255,6 +255,8 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
         root["so_centre"] = getattr(catalogue, "centre",
                                     "peak" if "peak" in fields else "com")
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"write_catalogue: {path!r} is a directory; give a file path")
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
