@@ -125,7 +125,7 @@ class KNNConfig:
         the searched region are searched again with that distance as radius.
       remote_factor: rows per device for queries whose search sphere leaves the ghost
         layer (solved against every device's particles), in units of ``n0``; at least 32
-        and at most the ``capacity_factor`` rows.
+        and at most the device's query rows.
         ``None`` picks 1/64, or 1 when the ghost layer had to be capped at the pencil
         width (pencils narrower than the neighbour spheres). The public functions rerun
         with a larger value when it overflows.
@@ -259,8 +259,9 @@ KNN_INDEX = Knob(KNNConfig, "index_factor")
 SO_RADIUS = Knob(SOConfig, "radius")
 SO_PAIRS = Knob(SOConfig, "pair_factor")
 
-# Knobs of buffers that hold particle rows (or copies of them). An earlier buffer's overflow
-# only drops rows, so their needs are then lower bounds, never overshoots: they are safe to
-# grow in the same round as that earlier buffer (Status.failure). A derived count (halos,
-# remote queries, SO pairs) can grow on truncated data, so it waits for the next round.
-PARTICLE_KNOBS = frozenset({TRANSFER, CAPACITY, GHOSTS, IMAGES, KNN_INDEX})
+# The decomposition's knobs: its buffers hold particle rows (or copies of them), and an
+# earlier buffer's overflow only drops rows, so their needs are then lower bounds, never
+# overshoots. They are grown in the same round as that earlier buffer (Status.failure). A
+# derived count (halos, remote queries, SO pairs) can grow on truncated data, so it waits
+# for the next round.
+PARTICLE_KNOBS = frozenset({TRANSFER, CAPACITY, GHOSTS, IMAGES})

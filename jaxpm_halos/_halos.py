@@ -167,13 +167,12 @@ def _check_definition_units(names, densities, problem: Problem, args) -> None:
     """Named SO definitions are in Msun/h per (Mpc/h)^3. Masses in another unit (unit
     masses by default) would put every threshold far above the data's mean density and
     give M = R = 0 for every halo: refuse that outside ``jit``."""
-    if is_traced(args, densities):
-        return
+    if is_traced(args, densities):  # a concrete scalar mass is static: traced ones only
+        return                          # are "scalar"
     if problem.mass_kind == "static":
         total_mass = problem.static_mass * problem.total
-    else:  # the masses are the last input: a replicated scalar, or rows (padding rows 0)
-        total_mass = float(jnp.sum(args[-1])) * (problem.total
-                                                 if problem.mass_kind == "scalar" else 1)
+    else:  # per-row masses, the last input (padding rows hold 0)
+        total_mass = float(jnp.sum(args[-1]))
     mean = total_mass / problem.box_size ** 3
     if not mean > 0:
         return
@@ -201,9 +200,9 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
         raise ValueError(f"the linking length must be positive, got {l}")
     wx, wy = problem.pencils.widths
     if ghost_width(l, problem.box_size) > min(wx, wy):
-        raise ValueError(f"linking length {l} (with its float rounding margin, a ghost layer "
-                         f"of {ghost_width(l, problem.box_size):.7g}) is wider than a pencil "
-                         f"({min(wx, wy)}) of the "
+        raise ValueError(f"linking length {l} needs a ghost layer of "
+                         f"{ghost_width(l, problem.box_size):.7g} (a margin for float "
+                         f"rounding), wider than a pencil ({min(wx, wy)}) of the "
                          f"({problem.pencils.px}, {problem.pencils.py}) mesh; use fewer devices "
                          "along that axis")
     if 3 * l > problem.box_size:
@@ -298,9 +297,10 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     if centre == "peak":
         k = check_k(k, problem.total, True, least=2)
     if names:
+        thresholds = check_densities(densities)[0]
         if not isinstance(so, Mapping):
-            _check_definition_units(names, densities, problem, args)
-        args = args + (check_densities(densities)[0].astype(args[0].dtype),)
+            _check_definition_units(names, thresholds, problem, args)
+        args = args + (thresholds.astype(args[0].dtype),)
 
     def run(cfg):
         extras = Extras(names, centre, int(k),

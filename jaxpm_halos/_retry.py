@@ -2,7 +2,8 @@
 
 A capacity can only be known once the data has been seen, and a scipy user expects no
 rounds of pasting suggestions. :func:`run_growing` runs a call, reads the first failure of
-its :class:`~._status.Status` by kind, grows that one knob to a value that fits (with a
+its :class:`~._status.Status` by kind, grows that knob (with the decomposition's knobs
+that overflowed beside it, :attr:`~._status.Failure.also`) to a value that fits (with a
 margin, so the next snapshot of a run likely fits too), and runs again, a few rounds at
 most. When it grew anything it warns once, naming the config that fit so it can be
 passed next time and the reruns skipped.

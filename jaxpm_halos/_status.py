@@ -137,8 +137,9 @@ class Failure:
 
     def message(self, config=None, argument: str = "{}") -> str:
         """The error message. With the caller's ``config`` (e.g. the ``FoFConfig`` it ran
-        with), the suggestion is that whole config with the one knob changed, so earlier
-        fixes are kept; without it, the knob alone. ``argument`` formats the setting as the
+        with), the suggestion is that whole config with the overflowing knobs changed (the
+        knob and those of :attr:`also`), so earlier fixes are kept; without it, those knobs
+        alone. ``argument`` formats the setting as the
         caller's argument, e.g. ``"config={}"``."""
         if self.kind is FailureKind.NONFINITE:
             return (f"jaxpm_halos: {self.count} particle positions (or masses) are NaN, inf or "

@@ -384,27 +384,29 @@ class InSitu:
     def saveat(self, ts, *, t0: float | None = None, t1: float | None = None):
         """A ``diffrax.SaveAt(ts=ts, fn=...)`` running the analyses at each time in ``ts``.
 
-        ``ts`` must be in the solve's direction (increasing from ``t0`` to ``t1``). Pass
-        the solve's ``t0``/``t1`` to have times outside ``[t0, t1]`` rejected here: diffrax
-        checks them only inside the solve, and on a mesh its check fails on one device
-        while the others wait in a collective, which aborts the process.
+        ``ts`` must be finite and in the solve's direction (increasing from ``t0`` to
+        ``t1``, decreasing for a backward solve). Pass the solve's ``t0`` and ``t1`` to have
+        times outside them or against the solve's direction rejected here (without both,
+        either order is taken): diffrax checks them only inside the solve, and on a mesh
+        its check fails on one device while the others wait in a collective, which aborts
+        the process.
         Outputs come back stacked over snapshots; check them with :func:`check`.
         """
         import diffrax
 
         ts = np.asarray(ts, dtype=float).reshape(-1)
-        backward = t0 is not None and t1 is not None and t1 < t0
-        lo, hi = (t1, t0) if backward else (t0, t1)
-        lo = -np.inf if lo is None else lo
-        hi = np.inf if hi is None else hi
-        if ts.size == 0 or np.any((ts < lo) | (ts > hi)):
-            raise ValueError(f"snapshot times {ts.tolist()} must be non-empty and lie in "
-                             f"[{t0}, {t1}]")
+        known = t0 is not None and t1 is not None
+        lo, hi = (min(t0, t1), max(t0, t1)) if known else (-np.inf, np.inf)
+        if ts.size == 0 or not np.all(np.isfinite(ts) & (ts >= lo) & (ts <= hi)):
+            raise ValueError(f"snapshot times {ts.tolist()} must be non-empty, finite and lie "
+                             f"in [{t0}, {t1}]")
         steps = np.diff(ts)
+        backward = t1 < t0 if known else bool(np.any(steps < 0))
         if np.any(steps > 0 if backward else steps < 0):
+            order = "decreasing" if backward else "increasing"
             raise ValueError(f"snapshot times {ts.tolist()} must be sorted in the solve's "
-                             f"direction ({'decreasing' if backward else 'increasing'}); "
-                             f"pass {sorted(ts.tolist(), reverse=backward)}")
+                             f"direction ({order if known else 'one direction'}); pass "
+                             f"{sorted(ts.tolist(), reverse=backward)}")
         return diffrax.SaveAt(ts=jnp.asarray(ts), fn=lambda t, y, args: self(y, t))
 
 
@@ -450,8 +452,8 @@ def check(outputs, insitu: "InSitu | None" = None) -> None:
     The error spells the setting as the ``InSitu`` argument holding the knob: the shared
     decomposition is sized by ``InSitu.domain``, FoF by ``InSitu.fof``, kNN by
     ``InSitu.knn``. Given the ``insitu`` that ran, the setting is that whole config with
-    the one knob changed (earlier fixes kept); without it, the default config with that
-    knob. ``outputs`` may be the whole output or any part of it.
+    the overflowing knobs changed (earlier fixes kept); without it, the default config
+    with those knobs. ``outputs`` may be the whole output or any part of it.
     """
     failure = _first_failure(outputs)
     if failure is not None:

@@ -19,6 +19,9 @@ from __future__ import annotations
 import math
 import re
 
+import jax
+import numpy as np
+
 RHO_CRIT = 2.775e11  # h^2 Msun / Mpc^3
 H0 = 100.0  # km/s / (Mpc/h)
 
@@ -124,7 +127,7 @@ def so_density(definition: str, *, omega_m, a=1.0):
         raise ValueError(f"an SO definition is a string such as '200c', got {definition!r}")
     if isinstance(omega_m, (int, float)) and not 0 < omega_m <= 1:
         raise ValueError(f"omega_m must lie in (0, 1] for flat LCDM, got {omega_m}")
-    if isinstance(a, (int, float)) and not (a > 0 and math.isfinite(a)):
+    if not isinstance(a, jax.core.Tracer) and not np.all(np.isfinite(a) & (np.asarray(a) > 0)):
         raise ValueError(f"the scale factor a must be positive and finite, got {a}")
     a3 = a * a * a
     critical = RHO_CRIT * (omega_m + (1 - omega_m) * a3)  # rho_c(a) a^3

@@ -502,7 +502,7 @@ def test_unregistered_analysis_name():
 @pytest.mark.parametrize("ts", [(0.05, 1.0), (0.5, 1.2), ()])
 def test_snapshot_times_outside_the_solve(ts):
     insitu = InSitu(box_size=32.0, analyses=("fof",))
-    with pytest.raises(ValueError, match=r"must be non-empty and lie in \[0.1, 1.0\]"):
+    with pytest.raises(ValueError, match=r"must be non-empty, finite and lie in \[0.1, 1.0\]"):
         insitu.saveat(ts, t0=0.1, t1=1.0)
     insitu.saveat((0.1, 0.5, 1.0), t0=0.1, t1=1.0)  # the end points are fine
 
@@ -515,11 +515,14 @@ def test_snapshot_times_out_of_order_are_refused():
     with pytest.raises(ValueError, match=r"sorted in the solve's direction \(increasing\); "
                                          r"pass \[0.5, 1.0\]"):
         insitu.saveat((1.0, 0.5), t0=0.1, t1=1.0)
-    with pytest.raises(ValueError, match="increasing"):
-        insitu.saveat((1.0, 0.5))
     with pytest.raises(ValueError, match="decreasing"):
         insitu.saveat((0.5, 1.0), t0=1.0, t1=0.1)
+    with pytest.raises(ValueError, match="one direction"):  # without t0, t1: either order
+        insitu.saveat((0.5, 1.0, 0.7))
+    with pytest.raises(ValueError, match="finite"):
+        insitu.saveat((0.5, float("nan")))
     insitu.saveat((1.0, 0.5), t0=1.0, t1=0.1)  # a backward solve
+    insitu.saveat((1.0, 0.5))
     insitu.saveat((0.5, 0.5, 1.0))  # a repeated time is a repeated snapshot
 
 

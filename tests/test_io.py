@@ -140,8 +140,12 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
         write_catalogue(path, _catalogue(np.random.default_rng(6), 9), **META)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["halos.h5"]
     np.testing.assert_array_equal(load_catalogue(path)["id"], before["id"])  # kept as it was
+
+
+def test_a_directory_as_the_path_is_named_and_nothing_is_written(tmp_path):
     with pytest.raises(IsADirectoryError, match="is a directory; give a file path"):
-        write_catalogue(tmp_path, cat, **META)
+        write_catalogue(tmp_path, _catalogue(np.random.default_rng(5), 5), **META)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_string_array_attrs_round_trip(tmp_path):

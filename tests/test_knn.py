@@ -256,7 +256,7 @@ def test_a_clustered_device_may_complete_more_queries_remotely_than_two_n0():
     """64 particles on 8 devices (n0 = 8), a clump of 21 on one device and k = 40: most of
     its queries need the cross-device pass (28 rows). Its buffer was capped at 2 n0 = 16
     rows, so growth stopped there and the suggestion pasted as written failed the same
-    way; now only the clump's capacity grows."""
+    way. Now its 32-row floor holds them, and only the clump's capacity grows."""
     rng = np.random.default_rng(1)
     pos = rng.uniform(0, BOX, (64, 3)).astype(np.float32)
     pos[:20] = pos[20] + rng.normal(0, 0.05, (20, 3)).astype(np.float32)

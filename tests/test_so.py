@@ -237,7 +237,7 @@ def test_so_density_limits():
     for bad in ("200", "abc", "-5c", 200):
         with pytest.raises(ValueError):
             units.so_density(bad, omega_m=0.3)
-    for a in (-1.0, 0.0, float("inf")):  # used to give a negative or meaningless threshold
+    for a in (-1.0, 0.0, float("inf"), np.float32(-1), jnp.float32(0)):  # gave e.g. -2.2e13
         with pytest.raises(ValueError, match="scale factor a must be positive and finite"):
             units.so_density("200c", omega_m=0.3, a=a)
 
@@ -329,7 +329,7 @@ def test_fof_so_definitions_about_the_centre_of_mass():
     with pytest.raises(ValueError, match="omega_m"):
         jh.fof(pos, box, b=0.2, so=("200c",))
     # Unit masses (the default) with named definitions: every halo would get M = R = 0.
-    for mass in (None, np.ones(len(pos), np.float32)):
+    for mass in (None, np.ones(len(pos), np.float32), jnp.ones(len(pos))):
         with pytest.raises(ValueError, match=r"'200c' threshold .* times the data's mean "
                                              r"density .* pass mass= in Msun/h"):
             jh.fof(pos, box, b=0.2, mass=mass, so=("200c",), omega_m=0.3)
