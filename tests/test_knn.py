@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
-from conftest import MESH_SHAPES, make_mesh
+from conftest import MESH_SHAPES, mesh_params, make_mesh
 
 BOX = 16.0
 N = 4096
@@ -112,7 +112,7 @@ def test_unsharded_matches_scipy(clustered, unsharded):
 
 
 @pytest.mark.optimised
-@pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params(MESH_SHAPES), ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_every_mesh_matches_scipy_and_the_unsharded_result(clustered, unsharded, shape):
     mesh = make_mesh(shape)
     dist, idx = jh.knn(_shard(mesh, clustered), BOX, 8)

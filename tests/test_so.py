@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos as jh
-from conftest import make_mesh, requires
+from conftest import make_mesh, mesh_params, requires
 from jaxpm_halos import units
 
 BOX = 16.0
@@ -285,7 +285,8 @@ def planted():
     return pos, spots, np.asarray(jh.knn_density(pos, BOX, 8, mesh=make_mesh((1, 1))))
 
 
-@pytest.mark.parametrize("shape", [(1, 8), (4, 2), (1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params([(1, 8), (4, 2), (1, 1)]),
+                         ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     mesh = make_mesh(shape)
     pos, spots, rho = planted
