@@ -167,8 +167,10 @@ def _check_definition_units(names, densities, problem: Problem, args) -> None:
     """Named SO definitions are in Msun/h per (Mpc/h)^3. Masses in another unit (unit
     masses by default) would put every threshold far above the data's mean density and
     give M = R = 0 for every halo: refuse that outside ``jit``."""
-    if is_traced(args, densities):  # a concrete scalar mass is static: traced ones only
-        return                          # are "scalar"
+    # Inside jit nothing can be raised. (Outside it a scalar mass is "static": only traced
+    # scalars are "scalar".)
+    if is_traced(args, densities):
+        return
     if problem.mass_kind == "static":
         total_mass = problem.static_mass * problem.total
     else:  # per-row masses, the last input (padding rows hold 0)
