@@ -58,19 +58,22 @@ def take(values, indices):
     return jax.tree.map(lambda a: jnp.take(a, indices, axis=0, mode="fill", fill_value=0), values)
 
 
-def pmax_all(pencils: Pencils, value):
+def _over_all_devices(collective, pencils: Pencils, value):
+    """``collective(value, axes)`` over the pencils' mesh axes (None: a size-one axis)."""
     axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
-    return lax.pmax(value, axes) if axes else value
+    return collective(value, axes) if axes else value
+
+
+def pmax_all(pencils: Pencils, value):
+    return _over_all_devices(lax.pmax, pencils, value)
 
 
 def pmin_all(pencils: Pencils, value):
-    axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
-    return lax.pmin(value, axes) if axes else value
+    return _over_all_devices(lax.pmin, pencils, value)
 
 
 def psum_all(pencils: Pencils, value):
-    axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
-    return lax.psum(value, axes) if axes else value
+    return _over_all_devices(lax.psum, pencils, value)
 
 
 # ----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ def mesh_params(shapes):
     return [pytest.param(s, marks=pytest.mark.leg1) if s in ((1, 8), (4, 2)) else s
             for s in shapes]
 
+
 # The JaxPM stack (pinned in pyproject.toml) is optional for the core package: without it,
 # the tests that run JaxPM, jax_cosmo or diffrax are skipped (.ci/run's second leg). Only
 # presence is checked, without importing: an installed but broken stack fails its tests.
