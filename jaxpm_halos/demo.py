@@ -394,40 +394,9 @@ def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
     block = (pm_nc // pdims[0], pm_nc // pdims[1], pm_nc)
     weight = (pm_nc / nc) ** 3
 
-    def corners(pos, halo):
-        """CIC corners of this device's particles: per corner, the index arrays into the
-        block padded by ``halo`` along the split axes (out-of-range ones set to the axis
-        length, to be dropped) and the weights (0 where out of range)."""
-        origin = []
-        for axis in range(2):
-            if pdims[axis] > 1:
-                origin.append(jax.lax.axis_index(spec[axis]) * block[axis] - halo[axis][0])
-            else:
-                origin.append(0)
-        origin.append(0)
-        shape = tuple(block[d] + 2 * halo[d][0] for d in range(3))
-        rel = pos.reshape(-1, 3) - jnp.stack([jnp.asarray(o, pos.dtype) for o in origin])
-        base = jnp.floor(rel)
-        frac = rel - base
-        base = base.astype(jnp.int32)
-        for c in range(8):
-            offset = ((c >> 2) & 1, (c >> 1) & 1, c & 1)
-            idx, w = [], jnp.ones(rel.shape[0], pos.dtype)
-            for d in range(3):
-                i = base[:, d] + offset[d]
-                w = w * (frac[:, d] if offset[d] else 1 - frac[:, d])
-                if d == 2 or pdims[d] == 1:
-                    i = jnp.mod(i, shape[d])  # this axis holds the whole periodic grid
-                else:
-                    ok = (i >= 0) & (i < shape[d])
-                    w = jnp.where(ok, w, 0)
-                    i = jnp.where(ok, i, shape[d])
-                idx.append(i)
-            yield tuple(idx), w, shape
-
     def local_paint(pos):
         grid = None
-        for idx, w, shape in corners(pos, pad):
+        for idx, w, shape in _cic_corners(pos, pad, pdims, spec, block):
             if grid is None:
                 grid = jnp.zeros(shape, pos.dtype)
             grid = grid.at[idx].add(w * weight, mode="drop")
@@ -435,7 +404,7 @@ def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
 
     def local_read(grid, pos):
         out = jnp.zeros(pos.shape[:-1], pos.dtype).reshape(-1)
-        for idx, w, _ in corners(pos, read_pad):
+        for idx, w, _ in _cic_corners(pos, read_pad, pdims, spec, block):
             out = out + w * grid.at[idx].get(mode="fill", fill_value=0)
         return out.reshape(pos.shape[:-1])
 
@@ -462,6 +431,43 @@ def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
 
     ode.paint = paint  # for tests: the PM density (mean 1)
     return ode
+
+
+def _cic_corners(pos, halo, pdims, spec, block):
+    """CIC corners of this device's particles ``pos`` (inside ``shard_map`` over a mesh of
+    shape ``pdims`` with axis names ``spec``; ``block`` the PM cells of one device): per
+    corner, the index arrays into the block padded by ``halo`` along the split axes
+    (out-of-range ones set to the axis length, to be dropped), the weights (0 where out of
+    range) and the padded block's shape."""
+    import jax
+    import jax.numpy as jnp
+
+    origin = []
+    for axis in range(2):
+        if pdims[axis] > 1:
+            origin.append(jax.lax.axis_index(spec[axis]) * block[axis] - halo[axis][0])
+        else:
+            origin.append(0)
+    origin.append(0)
+    shape = tuple(block[d] + 2 * halo[d][0] for d in range(3))
+    rel = pos.reshape(-1, 3) - jnp.stack([jnp.asarray(o, pos.dtype) for o in origin])
+    base = jnp.floor(rel)
+    frac = rel - base
+    base = base.astype(jnp.int32)
+    for c in range(8):
+        offset = ((c >> 2) & 1, (c >> 1) & 1, c & 1)
+        idx, w = [], jnp.ones(rel.shape[0], pos.dtype)
+        for d in range(3):
+            i = base[:, d] + offset[d]
+            w = w * (frac[:, d] if offset[d] else 1 - frac[:, d])
+            if d == 2 or pdims[d] == 1:
+                i = jnp.mod(i, shape[d])  # this axis holds the whole periodic grid
+            else:
+                ok = (i >= 0) & (i < shape[d])
+                w = jnp.where(ok, w, 0)
+                i = jnp.where(ok, i, shape[d])
+            idx.append(i)
+        yield tuple(idx), w, shape
 
 
 def default_halo_size(nc: int, box: float, block: int, stray_mpc: float = 20.0) -> int:
