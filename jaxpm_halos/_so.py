@@ -175,9 +175,12 @@ class _Batch(NamedTuple):
 
 
 def _by_centre_and_distance(centre, d2, mass):
-    """Pairs sorted by centre, then distance: one sort of an int64 key (the centre above
-    the bits of ``d2``, which order like non-negative floats) with the mass as payload,
-    faster than a sort on two keys."""
+    """Pairs sorted by centre, then distance: for float32 distances one sort of an int64
+    key (the centre above the bits of ``d2``, which order like non-negative floats) with the
+    mass as payload, faster than a sort on two keys; float64 distances (``jax_enable_x64``)
+    leave no room for the centre in 64 bits and take the sort on two keys."""
+    if d2.dtype.itemsize > 4:
+        return lax.sort((centre, d2, mass), num_keys=2)
     with _x64():
         bits = lax.bitcast_convert_type(d2, int32).astype(jnp.int64)
         packed, mass = lax.sort((jnp.left_shift(centre.astype(jnp.int64), 32) | bits, mass),

@@ -2,7 +2,7 @@
 ``InSitu`` run on float32 and float64 positions on a device mesh, and equal the serial
 references. Before, every kNN call failed with a JAX-internal ``TypeError``
 (an int64 sum written into an int32 buffer) and FoF on float64 positions with a shape
-error (float64 bits read as two int32 words).
+error (float64 bits read as two int32 words), and so did SO masses.
 
 The flag is global, so the checks run in a child process and never touch the suite's.
 """
@@ -43,6 +43,23 @@ CHILD = textwrap.dedent("""
         dist, _ = jh.knn(x, box, k)
         assert np.asarray(dist).dtype == dtype
         np.testing.assert_allclose(np.asarray(dist), want_dist, rtol=rtol, atol=rtol * box)
+
+    # SO masses about clump and background points, against a float64 brute force (float64
+    # distances once failed in the sort that packs a centre and float32 distance bits).
+    centres = pos[[0, 256, 300, 400]]
+    rho_so = 50.0 * len(pos) / box ** 3
+    want_mass = []
+    for c in centres:
+        d = pos - c
+        d -= box * np.round(d / box)
+        r = np.sort(np.sqrt(np.sum(d * d, axis=1)))
+        below = np.arange(1, len(r) + 1) < rho_so * 4 / 3 * np.pi * r ** 3
+        want_mass.append(float(np.argmax(below)))  # members before the first downcrossing
+    x = jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
+    radius, mass = jh.spherical_overdensity(x, centres, box_size=box, density=rho_so)
+    assert np.asarray(radius).dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(mass), want_mass)
+    assert want_mass[0] < 5 and min(want_mass[1:]) > 50  # a background point, clump members
 
     # InSitu on a float64 JaxPM-like state equals the offline calls on its positions.
     nc = 8
