@@ -212,9 +212,9 @@ class FoFConfig:
         the union-find forest, at O(rows) per merge, once per ``chunk_size`` links. On
         GPUs, where every pass has a fixed cost, a larger value can pay.
       domain: the domain exchange buffers.
-      so: the spherical-overdensity search of ``fof(so=...)`` (its ``domain`` is not
-        used: ``domain`` above sizes the one decomposition).
-      knn: the kNN search of ``fof(centre="peak")`` (its ``domain`` is not used either).
+      so: the spherical-overdensity search of ``fof(so=...)``. Leave its ``domain`` unset:
+        ``domain`` above sizes the one decomposition, and ``fof`` refuses a nested one.
+      knn: the kNN search of ``fof(centre="peak")`` (its ``domain`` likewise).
     """
 
     max_halos: int | None = None

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ._catalogue import CATALOGUE_FIELDS
-from ._config import MAX_HALOS, FoFConfig, KNNConfig
+from ._config import MAX_HALOS, DomainConfig, FoFConfig, KNNConfig
 from ._domain import Decomposition, psum_all
 from ._fof import fof_step, ghost_width
 from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache, row_masses,
@@ -31,7 +31,7 @@ from ._particles import _check_integer
 from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._so import check_densities, resolve_radius, search_width, so_on_decomposition
-from ._status import Limit, is_traced
+from ._status import Limit, is_traced, spell_config
 from . import units
 
 CENTRES = ("com", "peak")
@@ -189,6 +189,18 @@ def _check_definition_units(names, densities, problem: Problem, args) -> None:
                 "in Mpc/h, or so={name: density} in your units.")
 
 
+def _refuse_nested_domains(config: FoFConfig) -> None:
+    """``config.domain`` sizes fof's one decomposition; a ``domain`` set in its ``so`` or
+    ``knn`` (e.g. pasted from a ``spherical_overdensity`` or ``knn`` message) is never
+    used, and ignoring it silently would undo the fix it was meant to be."""
+    for name in ("so", "knn"):
+        inner = getattr(config, name).domain
+        if inner != DomainConfig():
+            raise ValueError(f"fof sizes its one decomposition with config.domain; pass "
+                             f"config=FoFConfig(domain={spell_config(inner)}, ...) instead of "
+                             f"{name}=...(domain=...)")
+
+
 def check_centre(centre: str) -> str:
     if centre not in CENTRES:
         raise ValueError(f"centre must be one of {CENTRES}, got {centre!r}")
@@ -291,6 +303,7 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       (it covers every buffer the result depends on), or thread a runtime check with
       ``labels = catalogue.status.error_if(labels, config)``.
     """
+    _refuse_nested_domains(config)
     problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)
     l = _linking_length(problem, linking_length, b)
     min_members = _check_integer("min_members", min_members, 1)

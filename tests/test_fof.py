@@ -303,6 +303,14 @@ def test_non_finite_positions_are_reported_and_excluded(adversarial):
     (dict(linking_length=0.2, min_members=0), "min_members"),
     (dict(linking_length=0.2, b=0.2), "exactly one"),
     (dict(linking_length=3.0, mesh_shape=(1, 8)), "wider than a pencil"),
+    # A domain nested in the SO or kNN settings (pasted from their own calls' messages) is
+    # refused, not ignored: config.domain sizes fof's one decomposition.
+    (dict(linking_length=0.2, config=jh.FoFConfig(
+        so=jh.SOConfig(domain=jh.DomainConfig(ghost_factor=2.0)))),
+     r"pass config=FoFConfig\(domain=DomainConfig\(ghost_factor=2.0\), ...\) instead of so="),
+    (dict(linking_length=0.2, centre="peak", config=jh.FoFConfig(
+        knn=jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=3.0)))),
+     r"instead of knn=\.\.\.\(domain="),
 ])
 def test_bad_arguments_raise(adversarial, kwargs, message):
     pos = adversarial[0]
