@@ -60,7 +60,8 @@ class Catalogue:
       num: valid rows per device.
       status: buffer needs of the whole computation (see :class:`~jaxpm_halos.Status`).
       peak: (…, 3) density-peak centre, the position of the member with the highest kNN
-        density (ties to the smallest id), or None (``centre="peak"`` computes it).
+        density (ties to the smallest id), or None (``centre="peak"`` computes it). Its
+        gradient is that member's position's, the choice of member held fixed.
       so: spherical-overdensity masses and radii about the catalogue's SO centre (``peak``
         with ``centre="peak"``, else ``pos``), e.g. ``{"m200c": …, "r200c": …}``, or
         None. See :func:`jaxpm_halos.spherical_overdensity` for the definition; masses
@@ -173,7 +174,7 @@ def _peaks(members, density, ids, pos, group, segments: int):
     put = lambda a, fill: jnp.full((segments,) + a.shape[1:], fill, a.dtype).at[slot].set(
         a, mode="drop")
     return {"peak_density": put(value, -jnp.inf), "peak_id": put(ids, _BIG),
-            "peak_pos": put(jax.lax.stop_gradient(pos), 0)}
+            "peak_pos": put(pos, 0)}
 
 
 def _combine(rows, n, box, min_members, halo_rows):

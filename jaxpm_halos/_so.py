@@ -277,6 +277,10 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     migrated = decomposition.migrated
     if mass is None:
         mass = migrated.payload["mass"]
+    # Membership is a discrete choice, and SO masses and radii are documented as having
+    # zero gradients. Stopping them at the inputs also keeps reverse mode out of the level
+    # loops (dynamic trip counts), which it cannot differentiate.
+    mass, density = jax.lax.stop_gradient((mass, density))
     frame, need_images = _frame(plan, decomposition, mass)
     heaviest = pmax_all(pencils, jnp.max(jnp.where(migrated.valid, mass, 0)))
     centres = wrap(jax.lax.stop_gradient(centres), box)
@@ -406,7 +410,7 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
       ``(radius, mass)``, each ``(H,)`` for a scalar ``density`` or ``(H, D)``,
       replicated. Inside ``jit`` an unresolved profile is NaN and reported by the status.
       Not differentiable: membership of a sphere is a discrete choice (gradients are
-      zero).
+      zero with respect to positions, masses and ``density``).
     """
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     config = SOConfig() if config is None else config

@@ -340,6 +340,35 @@ def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     assert np.all(got["m200"] >= got["m1000"]) and np.all(got["m200"] > 12)
 
 
+def test_peak_gradient_is_the_densest_members_and_so_gradients_are_zero(planted):
+    """d peak / d positions is the identity on the densest member (the choice held fixed)
+    and zero elsewhere; SO masses have zero gradients with respect to positions and
+    particle masses (reverse mode through their search once raised a JAX error)."""
+    mesh = make_mesh((2, 4))
+    pos, _, rho = planted
+    x = jax.device_put(jnp.asarray(pos), NamedSharding(mesh, P(mesh.axis_names)))
+    m = jax.device_put(jnp.ones(len(pos), jnp.float32), NamedSharding(mesh, P(mesh.axis_names)))
+    labels, cat = jh.fof(x, BOX, b=0.2, min_members=50, mass=m, so={"200": 200 * RHO_MEAN},
+                         centre="peak", k=8)
+    weights = np.random.default_rng(5).normal(size=cat.peak.shape).astype(np.float32)
+    weights[np.asarray(cat.id) < 0] = 0
+
+    def objective(p, masses):
+        _, c = jh.fof(p, BOX, b=0.2, min_members=50, mass=masses, so={"200": 200 * RHO_MEAN},
+                      centre="peak", k=8)
+        return jnp.sum(c.peak * weights) + jnp.sum(jnp.where(c.id >= 0, c.so["m200"], 0))
+
+    grad_pos, grad_mass = jax.jit(jax.grad(objective, argnums=(0, 1)))(x, m)
+    want = np.zeros(pos.shape, np.float32)
+    labels, ids = np.asarray(labels), np.asarray(cat.id)
+    for row in np.nonzero(ids >= 0)[0]:
+        members = np.where(labels == ids[row])[0]
+        want[members[np.lexsort((members, -rho[members]))[0]]] = weights[row]
+    assert np.count_nonzero(want) > 10
+    np.testing.assert_array_equal(np.asarray(grad_pos), want)
+    np.testing.assert_array_equal(np.asarray(grad_mass), 0)
+
+
 def test_fof_so_definitions_about_the_centre_of_mass():
     """``so=("200c", ...)`` with omega_m and a: masses in the input's unit, about ``pos``."""
     pos, _ = _planted(2)
