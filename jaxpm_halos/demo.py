@@ -617,10 +617,11 @@ def _parse_args(argv):
                         help="PM grid cells per particle spacing along each axis: the PM grid "
                              "has (pm-factor * nc)^3 cells (default %(default)s; 1 is JaxPM's "
                              "own displacement mode, >1 the demo's refined_pm_ode)")
-    parser.add_argument("--m200m", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--m200m", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the spherical-overdensity M200m of every FoF halo in "
                              "situ (InSitu(so=('200m',))) and plot it against Tinker et al. "
-                             "2008 beside the FoF masses (default on; --no-m200m skips it)")
+                             "2008 beside the FoF masses (default on when --analyses holds "
+                             "fof; --no-m200m skips it)")
     parser.add_argument("--centre", choices=("peak", "com"), default="peak",
                         help="SO centre with --m200m: the member with the highest kNN density "
                              "(peak) or the centre of mass (com) (default peak)")
@@ -645,8 +646,25 @@ def _parse_args(argv):
         parser.error(f"--snapshots must be comma-separated scale factors, got {args.snapshots!r}")
     if not snapshots or snapshots[0] <= 0.1 or snapshots[-1] > 1.0:
         parser.error(f"--snapshots must lie in (0.1, 1], got {args.snapshots}")
-    if args.pm_factor < 1:
-        parser.error(f"--pm-factor must be a positive integer, got {args.pm_factor}")
+    for flag in ("nc", "steps", "pm_factor", "min_members", "k"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got "
+                         f"{getattr(args, flag)}")
+    for flag in ("box", "b"):
+        if not 0 < getattr(args, flag) < math.inf:
+            parser.error(f"--{flag} must be positive and finite, got {getattr(args, flag)}")
+    if args.mesh is not None:
+        try:
+            args.mesh = tuple(int(v) for v in args.mesh.split(","))
+        except ValueError:
+            parser.error(f"--mesh must be two integers 'px,py', got {args.mesh!r}")
+        if len(args.mesh) != 2 or min(args.mesh) < 1:
+            parser.error(f"--mesh must be two positive integers 'px,py', got {args.mesh}")
+    with_fof = "fof" in args.analyses.split(",")
+    if args.m200m and not with_fof:
+        parser.error("--m200m measures the FoF haloes: add fof to --analyses, or pass "
+                     "--no-m200m")
+    args.m200m = with_fof if args.m200m is None else args.m200m
     return parser, args, snapshots, args.pm_factor * args.nc
 
 
@@ -667,10 +685,9 @@ def main(argv=None) -> int:
               f"{[a for a in analyses if a != 'knn_density']}", flush=True)
         analyses = tuple(a for a in analyses if a != "knn_density")
     devices = jax.devices()
-    shape = (tuple(int(v) for v in args.mesh.split(",")) if args.mesh
-             else default_mesh_shape(len(devices)))
-    if len(shape) != 2 or math.prod(shape) > len(devices):
-        parser.error(f"--mesh {shape} needs 2 axes and at most {len(devices)} devices")
+    shape = args.mesh or default_mesh_shape(len(devices))
+    if math.prod(shape) > len(devices):
+        parser.error(f"--mesh {shape} needs at most {len(devices)} devices")
     mesh = jax.make_mesh(shape, ("x", "y"), axis_types=(AxisType.Auto, AxisType.Auto),
                          devices=devices[:math.prod(shape)])
     cosmology = demo_cosmology()
