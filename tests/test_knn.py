@@ -423,7 +423,7 @@ def test_local_api_inside_user_shard_map(clustered):
     k = 8
     mesh = make_mesh((4, 2), names=("row", "col"))
     spec = P(("row", "col"))
-    want_dist, _ = jh.knn(clustered, BOX, k)
+    want_dist, want_idx = jh.knn(clustered, BOX, k)
     query = np.random.default_rng(4).uniform(0, BOX, (800, 3)).astype(np.float32)
 
     def step(block, q):
@@ -441,6 +441,8 @@ def test_local_api_inside_user_shard_map(clustered):
     valid = ids >= 0
     assert valid.sum() == N
     np.testing.assert_array_equal(dist[valid], np.asarray(want_dist)[ids[valid]])
+    # Global ids (ties by id on every mesh), not rows of a device.
+    np.testing.assert_array_equal(idx[valid], np.asarray(want_idx)[ids[valid]])
     # Query results come back in the caller's rows.
     _check_exact(clustered, BOX, k, qdist, qidx, query=query)
 
