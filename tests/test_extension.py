@@ -359,7 +359,11 @@ def test_derivative_through_the_solve_is_the_chain_rule():
 # Work per save time (issue #19)
 
 
-def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None):
+def _oscillator(t, y, args):
+    return jnp.stack([y[1], -y[0]])
+
+
+def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None, field=_oscillator):
     """Compile a diffeqsolve with ``saveat`` on a ``(2, nc, nc, nc, 3)`` state sharded like
     JaxPM's, and count the sort instructions that run at every step and those inside
     diffrax's save loop (see tests/hlo.py). A harmonic oscillator stands in for the PM
@@ -369,7 +373,7 @@ def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None):
 
     def solve(y0):
         sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(lambda t, y, args: jnp.stack([y[1], -y[0]])), diffrax.Euler(),
+            diffrax.ODETerm(field), diffrax.Euler(),
             t0=0.1, t1=1.0, dt0=None, y0=y0, saveat=saveat, max_steps=steps, throw=False,
             stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
             **({} if adjoint is None else {"adjoint": adjoint}))
@@ -396,6 +400,20 @@ def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
         adjoint=None if adjoint == "recursive_checkpoint" else diffrax.ForwardMode())
     assert per_step == 0, f"{per_step} sorts run at every step ({per_save} in the save loop)"
     assert per_save > 0, "the analyses' sorts should be found in diffrax's save loop"
+
+
+@requires("diffrax")
+def test_the_counter_sees_a_sort_that_runs_at_every_step():
+    """The control of the counts above: a sort in the vector field, and one in a SaveAt
+    fn with two save times (which XLA leaves in the save loop), are found where they run
+    (were diffrax's loops renamed, per_step would read 0 whatever the analyses do)."""
+    import diffrax
+
+    mesh = make_mesh((2, 4))
+    sorting = lambda t, y, args: jnp.sort(_oscillator(t, y, args), axis=-2)  # noqa: E731
+    saveat = diffrax.SaveAt(ts=[0.5, 1.0], fn=lambda t, y, args: jnp.sort(y[0], axis=-2))
+    per_step, per_save = _sorts_per_step_and_per_save(saveat, mesh, field=sorting)
+    assert per_step > 0 and per_save > 0, (per_step, per_save)
 
 
 @requires_jaxpm
