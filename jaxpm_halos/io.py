@@ -380,8 +380,11 @@ def load_catalogue(path) -> LoadedCatalogue:
         if missing:
             raise ValueError(f"{path}: the catalogue file lacks {missing}")
         so = [str(n) for n in np.atleast_1d(f.attrs.get("so_definitions", []))]
-        names = list(FIELDS) + [p + n for n in so for p in ("m", "r")]
-        fields = {name: f[name][()] for name in names if name in f}
+        so_fields = [p + n for n in so for p in ("m", "r")]
+        missing = [name for name in so_fields if name not in f]
+        if missing:
+            raise ValueError(f"{path}: so_definitions lists {so}, but the file lacks {missing}")
+        fields = {name: f[name][()] for name in list(FIELDS) + so_fields if name in f}
         attrs = plain(f.attrs)
         attrs["cosmology"] = plain(f["cosmology"].attrs)
         attrs["units"] = plain(f["units"].attrs)

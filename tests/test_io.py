@@ -171,6 +171,9 @@ def _damaged(path, damage):
     (lambda f: f.attrs.__setitem__("num_halos", 99999),
      "num_halos is 99999, but the datasets hold 5 halos"),
     (lambda f: f.attrs.__delitem__("num_halos"), "num_halos is None"),
+    # An SO definition listed without its datasets (it was silently left out).
+    (lambda f: f.attrs.__setitem__("so_definitions", ["200c"]),
+     r"so_definitions lists \['200c'\], but the file lacks \['m200c', 'r200c'\]"),
 ])
 def test_load_names_what_a_damaged_file_lacks(tmp_path, damage, message):
     cat = _catalogue(np.random.default_rng(8), 5)
