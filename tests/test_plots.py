@@ -74,6 +74,23 @@ def test_tinker08_mass_function_uses_the_same_sigma():
     assert 5e-5 < dn < 2e-4
 
 
+@requires("jax_cosmo")
+def test_sigma_is_normalised_to_sigma8_and_grows_with_the_linear_growth_factor():
+    """sigma(M) at the mass of an 8 Mpc/h sphere of mean matter density is sigma8, and
+    sigma(M, a) / sigma(M, 1) is jax_cosmo's growth factor D(a) / D(1)."""
+    import jax_cosmo as jc
+
+    rho_m = (COSMOLOGY["Omega_c"] + COSMOLOGY["Omega_b"]) * units.RHO_CRIT
+    m8 = 4 / 3 * math.pi * 8.0 ** 3 * rho_m
+    assert float(plots.sigma_of_mass(m8, COSMOLOGY)) == pytest.approx(0.8, rel=3e-3)
+    cosmo = jc.Cosmology(**COSMOLOGY)
+    growth = jc.background.growth_factor(cosmo, np.array([0.5, 1.0]))
+    mass = np.array([1e12, 1e14])
+    np.testing.assert_allclose(plots.sigma_of_mass(mass, COSMOLOGY, 0.5)
+                               / plots.sigma_of_mass(mass, COSMOLOGY, 1.0),
+                               float(growth[0] / growth[1]), rtol=1e-4)
+
+
 @requires("jax_cosmo", "matplotlib")
 def test_plot_mass_function_with_so_masses(tmp_path):
     """The SO column bins its masses like the FoF one (here FoF masses stand in for SO
