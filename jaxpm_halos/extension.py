@@ -394,7 +394,11 @@ class InSitu:
         """
         import diffrax
 
-        ts = np.asarray(ts, dtype=float).reshape(-1)
+        ts = np.asarray(ts, dtype=float)
+        if ts.ndim > 1:
+            raise ValueError(f"snapshot times must be one time or a 1-D sequence, got shape "
+                             f"{ts.shape}")
+        ts = ts.reshape(-1)
         known = t0 is not None and t1 is not None
         lo, hi = (min(t0, t1), max(t0, t1)) if known else (-np.inf, np.inf)
         if ts.size == 0 or not np.all(np.isfinite(ts) & (ts >= lo) & (ts <= hi)):

@@ -541,6 +541,9 @@ def test_snapshot_times_out_of_order_are_refused():
         insitu.saveat((0.5, 1.0, 0.7))
     with pytest.raises(ValueError, match="finite"):
         insitu.saveat((0.5, float("nan")))
+    with pytest.raises(ValueError, match=r"1-D sequence, got shape \(2, 1\)"):  # not flattened
+        insitu.saveat([[0.5], [1.0]])
+    assert insitu.saveat(1.0, t0=0.1, t1=1.0).subs.ts.shape == (1,)  # one time
     insitu.saveat((1.0, 0.5), t0=1.0, t1=0.1)  # a backward solve
     insitu.saveat((1.0, 0.5))
     insitu.saveat((0.5, 0.5, 1.0))  # a repeated time is a repeated snapshot
