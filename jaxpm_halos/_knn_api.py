@@ -52,7 +52,14 @@ def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
         return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
     data = dict(data)
     data["neighbour_mass"] = nb.mass
-    return {"value": spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)}
+    value = spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        shape = tuple(jnp.shape(leaf))
+        if not shape or shape[0] != dist.shape[0]:
+            raise ValueError(f"knn's reduce fn must return per-row arrays, with the leading "
+                             f"axis of its dist argument ({dist.shape[0]} rows on a device); "
+                             f"output {jax.tree_util.keystr(path) or 'value'} has shape {shape}")
+    return {"value": value}
 
 
 def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None, queries=None):

@@ -384,6 +384,10 @@ def test_reduce_hook_returns_only_per_particle_values(clustered):
     far = np.asarray(out["far_id"])
     np.testing.assert_allclose(_true_distances(clustered, BOX, far[:, None])[:, 0],
                                np.asarray(dist)[:, -1], rtol=4 * EPS, atol=8 * EPS * BOX)
+    # A value that is not per row is refused by name, at trace time.
+    with pytest.raises(ValueError, match=r"knn's reduce fn must return per-row arrays.*"
+                                         r"output \['total'\] has shape \(\)"):
+        jh.knn(_shard(mesh, clustered), BOX, k, reduce=lambda d, i, x: {"total": d.sum()})
 
 
 def test_gradients_equal_the_analytic_gradient_with_the_neighbours_held_fixed():
