@@ -410,7 +410,7 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
       ``(radius, mass)``, each ``(H,)`` for a scalar ``density`` or ``(H, D)``,
       replicated. Inside ``jit`` an unresolved profile is NaN and reported by the status.
       Not differentiable: membership of a sphere is a discrete choice (gradients are
-      zero with respect to positions, masses and ``density``).
+      zero with respect to positions, masses, ``density`` and ``centres``).
     """
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     config = SOConfig() if config is None else config

@@ -646,10 +646,12 @@ def _parse_args(argv):
         parser.error(f"--snapshots must be comma-separated scale factors, got {args.snapshots!r}")
     if not snapshots or snapshots[0] <= 0.1 or snapshots[-1] > 1.0:
         parser.error(f"--snapshots must lie in (0.1, 1], got {args.snapshots}")
-    for flag in ("nc", "steps", "pm_factor", "min_members", "k"):
+    for flag in ("nc", "steps", "pm_factor", "min_members"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got "
                          f"{getattr(args, flag)}")
+    if args.k < 2:  # the kNN density (and the peak) count k - 1 neighbours in the ball
+        parser.error(f"--k must be at least 2, got {args.k}")
     for flag in ("box", "b"):
         if not 0 < getattr(args, flag) < math.inf:
             parser.error(f"--{flag} must be positive and finite, got {getattr(args, flag)}")

@@ -265,7 +265,8 @@ class InSitu:
       mesh: the device mesh; default: the state's (abstract) mesh.
       domain: the buffers of the decomposition shared by every analysis (FoF's z images
         and kNN's included).
-      fof, knn: the analyses' own buffers (their ``domain`` fields are not used in situ).
+      fof, knn: the analyses' own buffers (leave their ``domain`` unset: ``domain`` above
+        sizes the one decomposition, and a nested one is refused).
       paint_absolute_pos: the state's ``y[0]`` holds absolute positions in cells of the PM
         grid (JaxPM's ``paint_absolute_pos=True``; the demo's ``run_simulation(pm_nc=...)``)
         instead of displacements in lattice cells (the default, JaxPM's distributed mode).

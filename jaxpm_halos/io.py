@@ -365,8 +365,9 @@ def load_catalogue(path) -> LoadedCatalogue:
     """Read a file written by :func:`write_catalogue`.
 
     Raises ValueError, naming the problem, for a file that is not a catalogue, lacks a
-    dataset of :data:`REQUIRED` or a group, has datasets whose rows disagree, or whose
-    ``num_halos`` is not their row count.
+    dataset of :data:`REQUIRED`, a group or a dataset of a definition in its
+    ``so_definitions``, has datasets whose rows disagree, or whose ``num_halos`` is not
+    their row count.
     """
     import h5py
 

@@ -9,7 +9,7 @@ from jaxpm_halos.demo import _parse_args
 @pytest.mark.parametrize("argv, message", [
     (["--nc", "0"], "--nc must be a positive integer, got 0"),
     (["--steps", "0"], "--steps must be a positive integer, got 0"),
-    (["--k", "-1"], "--k must be a positive integer"),
+    (["--k", "1"], "--k must be at least 2, got 1"),
     (["--box", "-1"], "--box must be positive and finite"),
     (["--b", "nan"], "--b must be positive and finite"),
     (["--mesh", "0,4"], "--mesh must be two positive integers"),

@@ -21,8 +21,8 @@ def test_default_budget_is_half_the_kernel_limit():
     try:
         with open("/proc/sys/vm/max_map_count") as f:
             limit = int(f.read())
-    except OSError:  # not Linux: Linux's default
-        limit = 65530
+    except OSError:  # not Linux: the documented fallback
+        limit = _frontend._DEFAULT_MAX_MAPS
     assert _frontend.max_map_count() == limit
     assert _frontend.ProgramCache().budget() == int(0.5 * limit)
     assert _frontend.ProgramCache(max_maps=5).budget() == 5
