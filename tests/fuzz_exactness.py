@@ -42,7 +42,6 @@ import jaxpm_halos as jh  # noqa: E402
 import reference as ref  # noqa: E402
 from conftest import MESH_SHAPES, make_mesh  # noqa: E402
 from test_knn import _check_exact  # noqa: E402
-from test_so import so_reference  # noqa: E402
 
 CONFIGS = {"DomainConfig": jh.DomainConfig, "FoFConfig": jh.FoFConfig, "KNNConfig": jh.KNNConfig}
 
@@ -114,7 +113,7 @@ def _check_peaks_and_so(pos, box, labels, cat, r_k, thresholds):
         densest = r_k[at].min() <= r_k[members].min() * (1 + 1e-6)
         assert densest, f"peak of halo {hid} is not the densest member"
     densities = np.array(list(thresholds.values()))
-    brute = so_reference(pos, cat["peak"], box, densities, 1.0)
+    brute = ref.so_reference(pos, cat["peak"], box, densities, 1.0)
     for d, name in enumerate(thresholds):
         off = np.max(np.abs(cat["m" + name] - brute[:, d]), initial=0)
         assert off <= 1, f"SO m{name} is {off} particles from the brute force"

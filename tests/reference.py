@@ -70,3 +70,37 @@ def catalogue(pos, box, labels, min_members, vel=None, mass=None):
 def periodic_difference(a, b, box):
     d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
     return d - box * np.round(d / box)
+
+
+def so_reference(pos, centres, box, density, mass, knife=None):
+    """First-downcrossing SO masses (H, D) by brute force in float64.
+
+    With ``knife`` (a relative width) it also returns where float32 arithmetic may
+    legitimately find another first downcrossing (H, D): a point of the profile at or
+    before the crossing within ``knife`` of the threshold, or two distances there that
+    close (their order may flip) whose masses differ by more than the gap."""
+    tol = knife or 0.0
+    pos = np.mod(np.asarray(pos, np.float64), box)
+    mass = np.broadcast_to(np.asarray(mass, np.float64), pos.shape[:1])
+    density = np.atleast_1d(np.asarray(density, np.float64))
+    out = np.zeros((len(centres), len(density)))
+    edge = np.zeros(out.shape, bool)
+    for h, c in enumerate(np.asarray(centres, np.float64)):
+        d = pos - np.mod(c, box)
+        d -= box * np.round(d / box)
+        r = np.sqrt(np.sum(d * d, 1))
+        order = np.argsort(r, kind="stable")
+        r, m = r[order], mass[order]
+        within = np.cumsum(m)
+        volume = 4 / 3 * np.pi * r ** 3
+        close = (np.abs(np.diff(r, append=np.inf)) <= tol * r) & (r > 0)
+        swing = np.abs(np.diff(m, append=m[-1]))  # what swapping a close pair adds to within
+        for k, rho in enumerate(density):
+            below = within < rho * volume
+            first = int(np.argmax(below))
+            assert below[first]
+            out[h, k] = within[first - 1] if first > 0 else 0.0
+            gap = np.abs(within - rho * volume)
+            flips = (gap <= tol * within) | (close & (gap <= swing + tol * within))
+            edge[h, k] = np.any(flips[:first + 1])
+    return out if knife is None else (out, edge)

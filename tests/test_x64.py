@@ -26,7 +26,7 @@ CHILD = textwrap.dedent("""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from scipy.spatial import cKDTree
     import jaxpm_halos as jh
-    from reference import fof_labels, unambiguous_linking_length
+    from reference import fof_labels, so_reference, unambiguous_linking_length
 
     box, k = 8.0, 6
     rng = np.random.default_rng(3)
@@ -48,13 +48,7 @@ CHILD = textwrap.dedent("""
     # distances once failed in the sort that packs a centre and float32 distance bits).
     centres = pos[[0, 256, 300, 400]]
     rho_so = 50.0 * len(pos) / box ** 3
-    want_mass = []
-    for c in centres:
-        d = pos - c
-        d -= box * np.round(d / box)
-        r = np.sort(np.sqrt(np.sum(d * d, axis=1)))
-        below = np.arange(1, len(r) + 1) < rho_so * 4 / 3 * np.pi * r ** 3
-        want_mass.append(float(np.argmax(below)))  # members before the first downcrossing
+    want_mass = so_reference(pos, centres, box, rho_so, 1.0)[:, 0]
     x = jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
     radius, mass = jh.spherical_overdensity(x, centres, box_size=box, density=rho_so)
     assert np.asarray(radius).dtype == np.float64
