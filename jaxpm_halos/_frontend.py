@@ -187,7 +187,13 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
     ids = None
     if isinstance(pos, Particles):
         particles = _dense(pos)
-        box_size = particles.box_size if box_size is None else box_size
+        if box_size is not None and _check_box_size(box_size) != float(particles.box_size):
+            # The positions were wrapped into the Particles' box: searching another box
+            # would give plausible wrong groups and densities.
+            raise ValueError(f"box_size={box_size} disagrees with the Particles' box_size="
+                             f"{particles.box_size}; leave box_size out (it is taken from "
+                             "the Particles) or build the Particles with the box you mean")
+        box_size = particles.box_size
         vel = particles.vel if vel is None else vel
         mass = particles.mass if mass is None else mass
         ids, pos = particles.id, particles.pos

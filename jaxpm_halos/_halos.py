@@ -264,7 +264,8 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
         :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`. Integer
         and half-precision (float16, bfloat16) positions, velocities and masses are
         computed in float32.
-      box_size: periodic box side, in the unit of ``pos`` (taken from Particles).
+      box_size: periodic box side, in the unit of ``pos`` (taken from Particles; a
+        different value raises).
       linking_length: two particles are friends when their minimum-image distance is at
         most this length.
       b: alternatively, the linking length in units of the mean separation ``L / N^(1/3)``

@@ -267,7 +267,7 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
         ``(nc, nc, nc, 3)`` sharded over its first two axes, or the
         :class:`~jaxpm_halos.Particles` from :func:`~jaxpm_halos.from_jaxpm`. Integer
         and half-precision (float16, bfloat16) positions and masses are computed in float32.
-      box_size: periodic box side (taken from Particles).
+      box_size: periodic box side (taken from Particles; a different value raises).
       k: number of neighbours, ``1 <= k < N`` (``k <= N`` with ``query``).
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
       query: optional points ``(..., 3)``, sharded along axis 0 or not. Then the result is

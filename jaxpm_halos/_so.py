@@ -393,7 +393,7 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
       pos: every input form :func:`~jaxpm_halos.fof` accepts (``(N, 3)`` positions,
         sharded or not, a JaxPM grid, or :class:`~jaxpm_halos.Particles`).
       centres: ``(H, 3)`` centres in the unit of ``pos`` (any H; wrapped into the box).
-      box_size: periodic box side (taken from Particles).
+      box_size: periodic box side (taken from Particles; a different value raises).
       density: threshold mean density, a scalar or a ``(D,)`` array, in the unit of
         ``mass`` per unit of ``pos`` cubed (e.g. :func:`jaxpm_halos.units.so_density`, in
         (Msun/h) / (Mpc/h)^3, with masses in Msun/h and positions in Mpc/h).

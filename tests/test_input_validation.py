@@ -375,3 +375,17 @@ def test_so_names_cannot_overwrite_catalogue_fields(so, message):
 
 def test_insitu_takes_one_analysis_named_as_a_string():
     assert jh.InSitu(box_size=16.0, analyses="fof").analyses == ("fof",)
+
+
+def test_a_box_size_that_disagrees_with_the_particles_is_refused():
+    """The Particles' positions were wrapped into their own box; a different box_size
+    used to win silently (fof on a 32 box searched as 64: 78 groups instead of 49)."""
+    particles = jh.Particles.create(np.full((8, 3), 1.0, np.float32), box_size=32.0)
+    calls = (lambda **kw: jh.fof(particles, b=0.2, **kw),
+             lambda **kw: jh.knn_density(particles, k=2, **kw),
+             lambda **kw: jh.spherical_overdensity(particles, jnp.zeros((1, 3)), density=200.0,
+                                                         **kw))
+    for call in calls:
+        with pytest.raises(ValueError, match=r"box_size=64.0 disagrees with the Particles' "
+                                             r"box_size=32.0; leave box_size out"):
+            call(box_size=64.0)
