@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _control as control
+
 int32 = jnp.int32
 _MAX_CELLS = 1 << 30
 
@@ -107,7 +109,7 @@ def for_each_pair_chunk(starts, ends, chunk: int, body, carry):
         j = jnp.take_along_axis(starts[i], s[:, None], 1)[:, 0] + (k - before)
         return t0 + chunk, body(carry, i, jnp.where(live, j, i), live)
 
-    _, carry = lax.while_loop(lambda s: s[0] < total, step, (jnp.int32(0), carry))
+    _, carry = control.while_loop(lambda s: s[0] < total, step, (jnp.int32(0), carry))
     return carry, total
 
 
@@ -121,7 +123,7 @@ def compress(parent):
     def step(p):
         return p[p]
 
-    return lax.while_loop(lambda p: jnp.any(p[p] != p), step, parent)
+    return control.while_loop(lambda p: jnp.any(p[p] != p), step, parent)
 
 
 def union(parent, u, v, link):
@@ -142,7 +144,7 @@ def union(parent, u, v, link):
         parent = compress(parent.at[hi].min(jnp.minimum(ru, rv), mode="drop"))
         return parent, jnp.any(active)
 
-    parent, _ = lax.while_loop(lambda s: s[1], step, (parent, jnp.any(link)))
+    parent, _ = control.while_loop(lambda s: s[1], step, (parent, jnp.any(link)))
     return parent
 
 
@@ -290,7 +292,7 @@ def search_columns(z, lo, hi, target, right, depth=None):
         return (jnp.where((lo < hi) & after, mid + 1, lo),
                 jnp.where((lo < hi) & ~after, mid, hi))
 
-    return lax.fori_loop(0, depth, step, (lo, hi))[0]
+    return control.fori_loop(0, depth, step, (lo, hi))[0]
 
 
 _FORWARD_COLUMNS = ((0, 1), (1, -1), (1, 0), (1, 1))

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _control as control
 from ._cells import sort_rows
 from ._layout import Pencils
 
@@ -97,7 +98,7 @@ def _rank_within_key(key, blocks: int):
         mine = key == d
         return jnp.where(mine, jnp.cumsum(mine, dtype=int32) - 1, rank)
 
-    return lax.fori_loop(0, blocks, count, jnp.zeros_like(key))
+    return control.fori_loop(0, blocks, count, jnp.zeros_like(key))
 
 
 def _exchange(axis, blocks, dest, valid, payload, pair_rows, out_rows):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _control as control
 from ._catalogue import Catalogue, catalogue_rows
 from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
 from ._config import IMAGES, MAX_HALOS, FoFConfig
@@ -115,7 +116,7 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
         slot = jnp.where(link, count + jnp.cumsum(link, dtype=int32) - 1, buffer)
         u, v = u.at[slot].set(i, mode="drop"), v.at[slot].set(j, mode="drop")
         state = parent, u, v, count + jnp.sum(link, dtype=int32)
-        return lax.cond(state[3] > buffer - chunk, flush, lambda s: s, state)
+        return control.cond(state[3] > buffer - chunk, flush, lambda s: s, state)
 
     # The z windows reach a little beyond l: local z carries image shifts, and the exact
     # test below uses canonical coordinates.
@@ -145,8 +146,8 @@ def merge_labels(ext: Extended, ghosts: Ghosts, pencils: Pencils, component, seg
         changed = psum_all(pencils, jnp.sum(new != labels, dtype=int32))
         return new, changed, iterations + 1
 
-    labels, _, iterations = lax.while_loop(lambda s: s[1] > 0, step,
-                                           (spread(ids), jnp.int32(1), jnp.int32(0)))
+    labels, _, iterations = control.while_loop(lambda s: s[1] > 0, step,
+                                               (spread(ids), jnp.int32(1), jnp.int32(0)))
     return jnp.where(ext.valid, labels, -1), iterations
 
 

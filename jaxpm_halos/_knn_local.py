@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _control as control
 from ._cells import sort_rows
 from ._domain import selection
 from ._knn_frame import Index, SearchFrame, morton_of
@@ -146,8 +147,8 @@ def order_ties(d2, ids, codes):
     if d2.shape[1] < 2:
         return codes
     tied = jnp.any((d2[:, 1:] == d2[:, :-1]) & jnp.isfinite(d2[:, 1:]))
-    return lax.cond(tied, lambda: lax.sort((d2, ids, codes), dimension=1, num_keys=2)[2],
-                    lambda: codes)
+    return control.cond(tied, lambda: lax.sort((d2, ids, codes), dimension=1, num_keys=2)[2],
+                        lambda: codes)
 
 
 def finish_lists(d2, ids, codes, self_id, k: int, self_mode: bool, kept: int):
@@ -219,8 +220,8 @@ def _batch_work(search: LocalSearch, slots, used, radius, batch: int, plan_batch
         return i + 1, lax.dynamic_update_slice_in_dim(work, count, i * per_step, 0)
 
     steps = (used + per_step * batch - 1) // (per_step * batch)
-    _, work = lax.while_loop(lambda c: c[0] < steps, step,
-                             (jnp.int32(0), jnp.zeros((n_batches,), int32)))
+    _, work = control.while_loop(lambda c: c[0] < steps, step,
+                                 (jnp.int32(0), jnp.zeros((n_batches,), int32)))
     return work
 
 
@@ -288,7 +289,7 @@ def search_pass(search: LocalSearch, state: SearchState, batch: int, group: int,
         return i + 1, _search_group(search, state, slots[ids], scale)
 
     n_groups = (used + per_group - 1) // per_group
-    _, state = lax.while_loop(lambda c: c[0] < n_groups, step, (jnp.int32(0), state))
+    _, state = control.while_loop(lambda c: c[0] < n_groups, step, (jnp.int32(0), state))
     return state
 
 
@@ -298,6 +299,6 @@ def search_locally(search: LocalSearch, state: SearchState, scale: float) -> Sea
     is exact or needs the cross-device pass. Later passes reuse one program."""
     s = search.settings
     state = search_pass(search, state, s.batch, s.group, scale, least=s.least)
-    return lax.while_loop(
+    return control.while_loop(
         lambda st: jnp.any(st.status == AGAIN),
         lambda st: search_pass(search, st, s.again_batch, s.again_group, scale), state)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _control as control
 from ._domain import psum_all, selection
 from ._geometry import periodic_distance2
 from ._knn_frame import Index, SearchFrame
@@ -99,7 +100,7 @@ def _search_block(index: Index, box: float, chunks: OwnedChunks, block_pos, reac
 
     B = block_pos.shape[0]
     init = (jnp.int32(0), jnp.full((B, kk), jnp.inf, block_pos.dtype), jnp.full((B, kk), R, int32))
-    _, d2, rows = lax.while_loop(lambda s: s[0] < n_todo, step, init)
+    _, d2, rows = control.while_loop(lambda s: s[0] < n_todo, step, init)
     return d2, rows
 
 
@@ -131,7 +132,7 @@ def remote_search(pencils: Pencils, frame: SearchFrame, index: Index, chunks: Ow
     init = (jnp.int32(0), jnp.full((Q + 1, kk), jnp.inf, dtype),
             jnp.full((Q + 1, kk), index.rows, int32))
     n_blocks = (n_todo + block - 1) // block
-    _, out_d2, out_row = lax.while_loop(lambda s: s[0] < n_blocks, step, init)
+    _, out_d2, out_row = control.while_loop(lambda s: s[0] < n_blocks, step, init)
     return out_d2[:Q], out_row[:Q]
 
 
@@ -189,7 +190,7 @@ def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext
 
     none = lambda _: (jnp.full((D * capacity, kk), jnp.inf, dtype),
                       jnp.full((D * capacity, kk), R, int32))
-    d2, rows = lax.cond(psum_all(pencils, n_far) > 0, search, none, None)  # (Q, kk)
+    d2, rows = control.cond(psum_all(pencils, n_far) > 0, search, none, None)  # (Q, kk)
     # The answers go back to the asking devices with differentiable positions.
     safe_rows = jnp.clip(rows, 0, R - 1)
     ext_row = index.ext_row[safe_rows]

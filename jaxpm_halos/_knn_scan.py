@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _control as control
 from ._domain import selection
 from ._geometry import periodic_delta
 from ._knn_frame import Index, SearchFrame, in_frame
@@ -64,9 +65,9 @@ def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of):
     # they make XLA:CPU lower top_k to a full sort of every row (8x slower kNN).
     d2, rows = -vals, _take_merged(run_row, cand_row, pick)
     tied = (d2[..., kk - 1] == d2[..., kk]) & jnp.isfinite(d2[..., kk])
-    return lax.cond(jnp.any(tied),
-                    lambda: _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of),
-                    lambda: (d2[..., :kk], rows[..., :kk]))
+    return control.cond(jnp.any(tied),
+                        lambda: _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of),
+                        lambda: (d2[..., :kk], rows[..., :kk]))
 
 
 def merge_where_needed(run_d2, run_row, cand_d2, cand_row, id_of, wanted, block: int):
@@ -102,9 +103,10 @@ def merge_where_needed(run_d2, run_row, cand_d2, cand_row, id_of, wanted, block:
                                         id_of)
             return (d2.at[take].set(m_d2, mode="drop"), row.at[take].set(m_row, mode="drop"))
 
-        return lax.fori_loop(0, (count + block - 1) // block, merge_block, (run_d2, run_row))
+        blocks = (count + block - 1) // block
+        return control.fori_loop(0, blocks, merge_block, (run_d2, run_row))
 
-    return lax.cond(count > P // 2, all_lists, some)
+    return control.cond(count > P // 2, all_lists, some)
 
 
 def _window_rows(region: Region, cum, first, total, t0, window: int):
@@ -164,5 +166,5 @@ def scan_group(index: Index, frame: SearchFrame, q: Queries, region: Region, kk:
         return t0 + chunk, run_d2, run_row
 
     init = (jnp.int32(0), jnp.full((P, kk), jnp.inf, q.canon.dtype), jnp.full((P, kk), R, int32))
-    _, run_d2, run_row = lax.while_loop(lambda s: s[0] < jnp.max(total), step, init)
+    _, run_d2, run_row = control.while_loop(lambda s: s[0] < jnp.max(total), step, init)
     return run_d2.reshape(G, B, kk), run_row.reshape(G, B, kk)

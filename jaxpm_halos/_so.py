@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from . import _control as control
 from ._cells import CellGrid, _x64, column_start, search_columns, sort_columns, z_order
 from ._config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
 from ._domain import Decomposition, pmax_all, psum_all, selection
@@ -246,7 +247,7 @@ def _level(frame: _Frame, centres, pending, density, radius: float, heaviest, bo
         cum = jnp.cumsum(jnp.where(todo, counts, 0))
         batch = todo & (cum <= pairs)
         # Most batches are a few small haloes: a buffer 16 times smaller sorts them faster.
-        result = lax.cond(
+        result = control.cond(
             jnp.max(jnp.where(batch, cum, 0)) <= small,
             lambda: _batch(frame, cols, starts, ends, batch, centres, density, radius,
                            heaviest, box, small),
@@ -256,8 +257,8 @@ def _level(frame: _Frame, centres, pending, density, radius: float, heaviest, bo
         mass = jnp.where(resolved[:, None], result.mass, mass)
         return todo & ~batch, mass, done | resolved
 
-    _, mass, done = lax.while_loop(lambda s: jnp.any(s[0]), body,
-                                   (todo, mass, jnp.zeros_like(pending)))
+    _, mass, done = control.while_loop(lambda s: jnp.any(s[0]), body,
+                                       (todo, mass, jnp.zeros_like(pending)))
     return mass, done, need
 
 

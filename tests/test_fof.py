@@ -424,8 +424,8 @@ def test_local_api_inside_user_shard_map(adversarial):
                                                min_members=MIN_MEMBERS, config=config)
             return domain.id, labels, cat.id, cat.num[None], cat.status.ok[None]
 
-        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=(spec,) * 5,
-                                     check_vma=False))
+        # shard_map's default check_vma=True: its loops used to be refused there.
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=(spec,) * 5))
 
     # Ghost buffers too small for clumps on every face: the flag must say so.
     small = jh.FoFConfig(domain=jh.DomainConfig(ghost_factor=0.05))
