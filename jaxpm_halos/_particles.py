@@ -94,6 +94,9 @@ class Particles:
 
 
 def _check_box_size(box_size) -> float:
+    if np.ndim(box_size) != 0 or isinstance(box_size, (bool, str)):
+        raise ValueError(f"box_size must be one number, the side of a cubic periodic box "
+                         f"(non-cubic boxes are not supported), got {box_size!r}")
     box_size = float(box_size)
     if not box_size > 0 or box_size != box_size or box_size == float("inf"):
         raise ValueError(f"box_size must be a positive finite length, got {box_size}")

@@ -370,6 +370,8 @@ class InSitu:
         check_state_positions(y[0], bound.nc, bound.pm_nc, bound.paint_absolute_pos)
         if "fof" in bound.analyses:
             _check_linking_length(bound, problem.pencils)
+        # Velocities are momenta over a: a = 0, NaN or -1 gave NaN or flipped velocities.
+        units._check_scale_factor(a)
         a = jnp.asarray(a, y.dtype)
         run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype),
                                        _generation[0])(y, a)

@@ -99,6 +99,13 @@ def momentum_to_velocity(p, a, box_size, nc):
 _OVERDENSITY = re.compile(r"^(\d+(?:\.\d*)?)([cm])$")
 
 
+def _check_scale_factor(a) -> None:
+    """Raise unless ``a`` is positive and finite (traced values pass: they are checked by
+    nothing inside ``jit``)."""
+    if not isinstance(a, jax.core.Tracer) and not np.all(np.isfinite(a) & (np.asarray(a) > 0)):
+        raise ValueError(f"the scale factor a must be positive and finite, got {a}")
+
+
 def so_density(definition: str, *, omega_m, a=1.0):
     """Threshold mean density of a spherical-overdensity definition, comoving, in
     (Msun/h) / (Mpc/h)^3: pass it to :func:`jaxpm_halos.spherical_overdensity` with masses
@@ -127,8 +134,7 @@ def so_density(definition: str, *, omega_m, a=1.0):
         raise ValueError(f"an SO definition is a string such as '200c', got {definition!r}")
     if isinstance(omega_m, (int, float)) and not 0 < omega_m <= 1:
         raise ValueError(f"omega_m must lie in (0, 1] for flat LCDM, got {omega_m}")
-    if not isinstance(a, jax.core.Tracer) and not np.all(np.isfinite(a) & (np.asarray(a) > 0)):
-        raise ValueError(f"the scale factor a must be positive and finite, got {a}")
+    _check_scale_factor(a)
     a3 = a * a * a
     critical = RHO_CRIT * (omega_m + (1 - omega_m) * a3)  # rho_c(a) a^3
     if definition == "vir":

@@ -227,6 +227,16 @@ def test_insitu_names_b_when_the_linking_length_does_not_fit(b, shape, message):
         jh.InSitu(box_size=16.0, analyses=("fof",), b=b)(y)
 
 
+@pytest.mark.parametrize("a", [0.0, -1.0, float("nan"), float("inf")])
+def test_insitu_refuses_a_scale_factor_that_is_not_positive_and_finite(a):
+    """Velocities are momenta over a: a = 0 or NaN gave NaN velocities, a = -1 flipped
+    them, with no error."""
+    y = jax.device_put(jnp.zeros((2, 16, 16, 16, 3)),
+                       NamedSharding(make_mesh((2, 4)), P(None, "x", "y")))
+    with pytest.raises(ValueError, match=r"the scale factor a must be positive and finite"):
+        jh.InSitu(box_size=16.0, analyses=("fof",))(y, a)
+
+
 def test_insitu_takes_an_integer_state_as_float32():
     """Integer displacements stack particles on lattice points: groups of coincident
     particles, as scipy finds them."""
@@ -389,3 +399,13 @@ def test_a_box_size_that_disagrees_with_the_particles_is_refused():
         with pytest.raises(ValueError, match=r"box_size=64.0 disagrees with the Particles' "
                                              r"box_size=32.0; leave box_size out"):
             call(box_size=64.0)
+
+
+@pytest.mark.parametrize("box", [[32.0, 32.0, 64.0], np.array([32.0, 32.0, 64.0]), "32"])
+def test_a_box_size_that_is_not_one_number_says_boxes_are_cubic(box):
+    """A per-axis box raised a bare TypeError from float()."""
+    with pytest.raises(ValueError, match=r"box_size must be one number, the side of a cubic "
+                                         r"periodic box \(non-cubic boxes are not supported\)"):
+        jh.fof(np.zeros((8, 3), np.float32), box, 0.2)
+    with pytest.raises(ValueError, match=r"non-cubic boxes are not supported"):
+        jh.from_jaxpm(np.zeros((4, 4, 4, 3), np.float32), box_size=box)
