@@ -143,8 +143,8 @@ class Failure:
         caller's argument, e.g. ``"config={}"``."""
         if self.kind is FailureKind.NONFINITE:
             return (f"jaxpm_halos: {self.count} particle positions (or masses) are NaN, inf or "
-                    "unusable; they were excluded. Clean the input (or mask those particles) "
-                    "and rerun.")
+                    "unusable (inside jit they are left out of the results). Clean the input "
+                    "(or mask those particles) and rerun.")
         if self.kind is FailureKind.UNREPLICATED:
             return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
                     "every device (only one device's value would come back). Reduce it over "

@@ -68,7 +68,8 @@ RESERVED = ("format", "version", "box_size", "nc", "a", "redshift", "linking_len
 names :func:`load_catalogue` puts among the attributes): not allowed in ``attrs``."""
 
 
-def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.ndarray]:
+def gather_catalogue(catalogue, snapshot: int | None = None, *,
+                     throw: bool = True) -> dict[str, np.ndarray]:
     """The valid halos of a (padded, sharded) catalogue as numpy arrays on every process.
 
     Args:
@@ -78,6 +79,10 @@ def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.nda
       snapshot: index of the snapshot for a catalogue stacked over snapshots (the output of
         ``InSitu.saveat`` inside ``diffeqsolve``, whose leaves have a leading snapshot axis);
         negative indices count from the end.
+      throw: raise the status's error (:class:`~jaxpm_halos.CapacityError`, naming a
+        setting that fits, or :class:`~jaxpm_halos.InvalidInputError`) when the
+        catalogue's status (at that snapshot) failed: its halos may be missing or wrong.
+        ``False``: gather it anyway.
 
     Returns:
       ``{field: array}`` of the valid halos, sorted by id, the same on every process.
@@ -95,6 +100,8 @@ def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.nda
         raise ValueError("snapshot given, but the catalogue is not stacked over snapshots")
     if stacked:
         snapshot = _snapshot_index(snapshot, np.shape(num)[0])
+    if throw:
+        _check_status(catalogue.status, snapshot)
     if all(_addressable(x) for x in (num, *leaves.values())):
         pick = (lambda x: np.asarray(x)[snapshot]) if stacked else np.asarray
         so = {f: pick(x) for f, x in (catalogue.so or {}).items()}
@@ -137,6 +144,21 @@ def gather_catalogue(catalogue, snapshot: int | None = None) -> dict[str, np.nda
     fields = {f: np.concatenate(v) for f, v in keep.items()}
     order = np.argsort(fields["id"], kind="stable")
     return {f: v[order] for f, v in fields.items()}
+
+
+def _check_status(status, snapshot: int | None) -> None:
+    """Raise the status's own error, at ``snapshot`` of a stacked one, if it failed."""
+    import jax
+
+    if snapshot is not None:  # every leaf is replicated, with a leading snapshot axis
+        status = jax.tree.map(lambda x: np.asarray(x)[snapshot], status)
+    failure = status.failure()
+    if failure is not None:
+        error = failure.error()
+        error.args = (f"the catalogue is incomplete or wrong, its status failed: {error} "
+                      "(check_insitu(out, insitu) spells the InSitu setting; throw=False "
+                      "uses it anyway)",)
+        raise error
 
 
 def _addressable(x) -> bool:
@@ -188,7 +210,8 @@ def _local_blocks(x, rows: int, snapshot: int | None) -> dict[int, np.ndarray]:
 def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
                     cosmology: Mapping[str, Any], linking_length: float, b: float,
                     min_members: int, units: Mapping[str, str] | None = None,
-                    snapshot: int | None = None, attrs: Mapping[str, Any] | None = None):
+                    snapshot: int | None = None, attrs: Mapping[str, Any] | None = None,
+                    throw: bool = True):
     """Write one snapshot's halo catalogue to an HDF5 file (from process 0 only).
 
     Args:
@@ -208,6 +231,8 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
         in Msun/h and radii in comoving Mpc/h).
       snapshot: index into a catalogue stacked over snapshots.
       attrs: extra root attributes (numbers, strings or arrays).
+      throw: as :func:`gather_catalogue`'s: by default a catalogue whose status failed
+        is not written.
 
     Returns:
       ``path`` on process 0, None on the other processes. Collective when
@@ -235,7 +260,7 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     if not isinstance(cosmology, Mapping):
         raise ValueError(f"cosmology must be a dict of parameters, got {cosmology!r}")
     cosmology = {str(k): _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
-    fields = gather_catalogue(catalogue, snapshot)
+    fields = gather_catalogue(catalogue, snapshot, throw=throw)
     so = _so_definitions(catalogue, fields)
     unknown = sorted(set(fields) - set(FIELDS) - {p + n for n in so for p in "mr"})
     if unknown:

@@ -1,5 +1,7 @@
 """HDF5 catalogue files: write_catalogue / load_catalogue / gather_catalogue."""
 
+import dataclasses
+
 import h5py
 import jax
 import jax.numpy as jnp
@@ -90,6 +92,28 @@ def test_round_trip_of_a_sharded_catalogue(tmp_path):
         gather_catalogue(stacked)
     with pytest.raises(ValueError, match="snapshot"):
         gather_catalogue(cat, snapshot=0)
+
+    # A catalogue whose status failed (a buffer overflowed, or positions were left out
+    # inside jit) used to be written as if complete.
+    name, limit = cat.status.limits[0]
+    overflowed = dataclasses.replace(cat, status=dataclasses.replace(
+        cat.status, needed={**cat.status.needed, name: jnp.int32(limit.rows + 1)}))
+    with pytest.raises(jaxpm_halos.CapacityError, match=rf"the catalogue is incomplete or "
+                       rf"wrong, its status failed: jaxpm_halos: buffer '{name}' overflowed"):
+        write_catalogue(tmp_path / "overflowed.h5", overflowed, **META)
+    assert not (tmp_path / "overflowed.h5").exists()
+    nonfinite = dataclasses.replace(cat, status=dataclasses.replace(cat.status,
+                                                                    nonfinite=jnp.int32(3)))
+    with pytest.raises(jaxpm_halos.InvalidInputError, match="3 particle positions"):
+        gather_catalogue(nonfinite)
+    got = load_catalogue(write_catalogue(tmp_path / "anyway.h5", nonfinite, **META,
+                                         throw=False))
+    np.testing.assert_array_equal(got["id"], expected["id"])
+    # Stacked: only the snapshot whose status failed is refused.
+    stacked = jax.tree.map(lambda x, y: jnp.stack([x, y]), nonfinite, cat)
+    with pytest.raises(jaxpm_halos.InvalidInputError):
+        gather_catalogue(stacked, snapshot=0)
+    np.testing.assert_array_equal(gather_catalogue(stacked, snapshot=1)["id"], expected["id"])
 
 
 def test_load_rejects_other_files(tmp_path):
