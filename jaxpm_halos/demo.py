@@ -836,7 +836,8 @@ def _print_fit_ratios(fof_mass, so_mass, args, cosmology: dict, mass: float, a: 
             continue
         for lo, hi in ((args.min_members, 100), (100, None)):
             r = ratio_above(masses, box_size=args.box, cosmology=cosmology, a=a, fit=fit,
-                            min_mass=lo * mass, max_mass=None if hi is None else hi * mass)
+                            min_mass=lo * mass, max_mass=None if hi is None else hi * mass,
+                            particle_mass=mass)
             span = f"{lo}-{hi} particles" if hi else f">= {lo} particles"
             print(f"  {label}, {span:>16}: {r['count']:4d} / {r['expected']:6.1f} = "
                   f"{r['ratio']:.2f} +- {r['error']:.2f}")

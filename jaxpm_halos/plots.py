@@ -218,16 +218,28 @@ def _mass_panel(ax, rat, meas, curve_m, curves, labels, reference, point_label, 
     ax.legend(fontsize=7, loc="upper right")
 
 
+def _whole_particles(mass, particle_mass):
+    """Masses rounded to whole particles. A catalogue sums equal particle masses in float32,
+    so a halo of exactly 20 particles can weigh a rounding error less than 20 particles and
+    fall out of a bin or range that starts there."""
+    mass = np.asarray(mass, np.float64)
+    return mass if particle_mass is None else np.rint(mass / particle_mass) * particle_mass
+
+
 def ratio_above(mass, *, box_size: float, cosmology, a: float = 1.0, fit: str = "watson13",
-                min_mass: float, max_mass: float | None = None) -> dict:
+                min_mass: float, max_mass: float | None = None,
+                particle_mass: float | None = None) -> dict:
     """The number of haloes with ``min_mass <= mass < max_mass`` (Msun/h) against ``fit``.
 
     Returns ``{"count", "expected", "ratio", "error"}`` with ``expected = V \\int dn/dlog10M
     dlog10M`` over that range (trapezoid, 600 points; without ``max_mass`` up to
     ``1000 min_mass``: haloes that much heavier are absent from such boxes),
     ``V = box_size^3``, and the Poisson error of the ratio ``sqrt(count) / expected``.
+    With ``particle_mass`` (Msun/h), masses are first rounded to whole particles, so that
+    limits at whole particles (``min_mass = 20 * particle_mass``) count the haloes of
+    exactly that many particles whatever their float32 rounding.
     """
-    mass = np.asarray(mass, np.float64)
+    mass = _whole_particles(mass, particle_mass)
     top = 1000 * min_mass if max_mass is None else max_mass
     count = int(np.count_nonzero((mass >= min_mass) & (mass < top)))
     lgm = np.linspace(math.log10(min_mass), math.log10(top), 600)
@@ -250,7 +262,8 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
       mass: FoF halo masses in Msun/h.
       box_size: box side in Mpc/h.
       cosmology: a jax_cosmo Cosmology or a dict of its parameters.
-      particle_mass: Msun/h per particle (marks the ``min_members`` and 100-particle limits).
+      particle_mass: Msun/h per particle (marks the ``min_members`` and 100-particle limits;
+        masses are rounded to whole particles before binning, see :func:`ratio_above`).
       dex: bin width in log10 M.
       so_mass: optional SO masses (Msun/h), e.g. M200m of the same haloes, NaN for none;
         binned from ``min_members`` particles like the FoF masses and drawn in a second
@@ -266,7 +279,7 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
         raise ValueError(f"plot_mass_function compares SO masses with Tinker et al. 2008 for "
                          f"M200m; got so_definition={so_definition!r}")
     plt = _pyplot()
-    mass = np.asarray(mass, np.float64)
+    mass = _whole_particles(mass, particle_mass)
     lo = math.log10(min_members * particle_mass)
     meas, curve_m, curves = _binned(mass, box_size, lo, dex, cosmology, a,
                                     ("watson13", "sheth_tormen"))
@@ -285,7 +298,7 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
                          fontsize=10)
     if so_mass is not None:
         so_all = np.asarray(so_mass, np.float64).reshape(-1)
-        so = so_all[np.isfinite(so_all) & (so_all > 0)]
+        so = _whole_particles(so_all[np.isfinite(so_all) & (so_all > 0)], particle_mass)
         meas_so, curve_so, curves_so = _binned(so, box_size, lo, dex, cosmology, a,
                                                ("tinker08", "sheth_tormen"))
         _mass_panel(axes[0, 1], axes[1, 1], meas_so, curve_so, curves_so,

@@ -138,3 +138,22 @@ def test_ratio_above():
     width = (np.log10(2e14) - np.log10(5e13)) / 20
     expected = np.sum(plots.mass_function_fit(10 ** lg, COSMOLOGY, 1.0, "watson13")) * width * 1e6
     assert r["count"] == 2 and r["expected"] == pytest.approx(expected, rel=1e-3)
+
+
+@requires("jax_cosmo")
+def test_haloes_of_exactly_min_members_particles_are_counted_and_binned(tmp_path):
+    """A catalogue sums equal masses in float32: 20 particles of the demo's mass weigh
+    4e-8 less than 20 m_p, so the 20-100 range and the first bin (from 20 m_p) left out
+    every 20-member halo."""
+    mp = units.particle_mass(0.2986, 128.0, 64)
+    members = np.array([20, 20, 20, 25, 99, 100, 150])
+    mass = np.array([np.sum(np.full(n, mp, np.float32), dtype=np.float32) for n in members],
+                    np.float64)
+    assert mass[0] < 20 * mp and mass[4] < 99 * mp  # the rounding this is about
+    r = plots.ratio_above(mass, box_size=128.0, cosmology=COSMOLOGY, min_mass=20 * mp,
+                          max_mass=100 * mp, particle_mass=mp)
+    assert r["count"] == 5
+    meas = plots.plot_mass_function(tmp_path / "mf.png", mass, box_size=128.0,
+                                    cosmology=COSMOLOGY, particle_mass=mp)
+    np.testing.assert_array_equal(meas["count"], np.histogram(members * mp, meas["edges"])[0])
+    assert meas["count"][0] == 4  # 20, 20, 20, 25 of [20, 31.7) particles
