@@ -4,9 +4,11 @@
 the same mesh axes on entry and exit. The kernels start their loops from constants (which
 vary over no axis) and fill them from the particles (which vary over every axis), so under
 that check ``lax.while_loop`` refused them. These wrappers mark the carries and outputs
-as varying over every manual axis, which is what a per-device kernel computes. Where the
-check is off (the library's own ``shard_map``) or there is no ``shard_map``, they are
-``lax``'s own, and the traced program is unchanged.
+as varying over every manual axis, which is what a per-device kernel computes (loop
+counters and flags reduced by ``psum`` included: casting an equal value to varying
+changes no value). Where the check is off (the library's own ``shard_map``) or there is
+no ``shard_map``, they call ``lax``'s own with the same carries, and the compiled program
+is the same (the check's probe below is dead code that XLA removes).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -187,9 +188,11 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
     ids = None
     if isinstance(pos, Particles):
         particles = _dense(pos)
-        if box_size is not None and _check_box_size(box_size) != float(particles.box_size):
+        if box_size is not None and not math.isclose(_check_box_size(box_size),
+                                                     float(particles.box_size), rel_tol=1e-6):
             # The positions were wrapped into the Particles' box: searching another box
-            # would give plausible wrong groups and densities.
+            # would give plausible wrong groups and densities. (The same box in float32
+            # and float64 is the same box.)
             raise ValueError(f"box_size={box_size} disagrees with the Particles' box_size="
                              f"{particles.box_size}; leave box_size out (it is taken from "
                              "the Particles) or build the Particles with the box you mean")

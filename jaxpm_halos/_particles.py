@@ -94,13 +94,20 @@ class Particles:
 
 
 def _check_box_size(box_size) -> float:
-    if np.ndim(box_size) != 0 or isinstance(box_size, (bool, str)):
+    if np.ndim(box_size) != 0 or isinstance(box_size, (bool, np.bool_, str)):
         raise ValueError(f"box_size must be one number, the side of a cubic periodic box "
                          f"(non-cubic boxes are not supported), got {box_size!r}")
     box_size = float(box_size)
     if not box_size > 0 or box_size != box_size or box_size == float("inf"):
         raise ValueError(f"box_size must be a positive finite length, got {box_size}")
     return box_size
+
+
+def check_scale_factor(a) -> None:
+    """Raise unless the scale factor ``a`` is positive and finite (a traced value passes:
+    nothing can raise inside ``jit``)."""
+    if not isinstance(a, jax.core.Tracer) and not np.all(np.isfinite(a) & (np.asarray(a) > 0)):
+        raise ValueError(f"the scale factor a must be positive and finite, got {a}")
 
 
 def _check_integer(name: str, value, minimum: int) -> int:

@@ -93,7 +93,7 @@ def spell_config(config, keep: Knob | None = None) -> str:
 class FailureKind(enum.Enum):
     """What went wrong, with what to do about it."""
 
-    NONFINITE = "positions or masses that are NaN, inf or unusable were excluded"
+    NONFINITE = "positions or masses that are NaN, inf or unusable (left out inside jit)"
     OVERFLOW = "a fixed-size buffer was too small"
     UNREPLICATED = "an analysis output declared 'replicated' differs between devices"
 

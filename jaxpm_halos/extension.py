@@ -48,7 +48,7 @@ from ._jaxpm import check_state_positions, resolve_pm_nc
 from ._knn import ghost_width as knn_ghost_width, overdensity
 from ._knn_api import check_k, knn_density_on_plan, knn_on_decomposition
 from ._layout import Pencils
-from ._particles import Particles, _check_integer
+from ._particles import Particles, _check_integer, check_scale_factor
 from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, replication_status, run_sharded
 from ._so import resolve_radius
 from ._retry import run_growing
@@ -371,8 +371,8 @@ class InSitu:
         if "fof" in bound.analyses:
             _check_linking_length(bound, problem.pencils)
         # Velocities are momenta over a: a = 0, NaN or -1 gave NaN or flipped velocities.
-        units._check_scale_factor(a)
         a = jnp.asarray(a, y.dtype)
+        check_scale_factor(a)  # in the state's precision: 1e-50 is 0 in float32
         run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype),
                                        _generation[0])(y, a)
         if is_traced(y, a):

@@ -150,14 +150,17 @@ def _check_status(status, snapshot: int | None) -> None:
     """Raise the status's own error, at ``snapshot`` of a stacked one, if it failed."""
     import jax
 
-    if snapshot is not None:  # every leaf is replicated, with a leading snapshot axis
+    # Every leaf is replicated (InSitu's and fof's are), so each process reads the same
+    # status and raises the same error before any collective.
+    if snapshot is not None:  # a leading snapshot axis
         status = jax.tree.map(lambda x: np.asarray(x)[snapshot], status)
     failure = status.failure()
     if failure is not None:
         error = failure.error()
         error.args = (f"the catalogue is incomplete or wrong, its status failed: {error} "
-                      "(check_insitu(out, insitu) spells the InSitu setting; throw=False "
-                      "uses it anyway)",)
+                      "(the whole setting to rerun with: check_insitu(out, insitu) for an "
+                      "InSitu output, cat.status.check(config) for fof's; throw=False uses "
+                      "the catalogue anyway)",)
         raise error
 
 

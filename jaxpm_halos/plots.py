@@ -178,12 +178,15 @@ def _pyplot():
     return plt
 
 
-def _binned(mass, box_size, lo, dex, cosmology, a, fits):
-    """Bins of ``dex`` from ``10**lo`` up to the largest mass, the measurement there, and
-    the fits on a fine curve and at the bin centres."""
+def _binned(mass, box_size, first, dex, cosmology, a, fits):
+    """Bins of ``dex`` from ``first`` (Msun/h) up to the largest mass, the measurement
+    there, and the fits on a fine curve and at the bin centres."""
     mass = np.asarray(mass, np.float64)
+    lo = math.log10(first)
     hi = math.log10(mass.max()) if mass.size else lo + dex
-    edges = 10 ** (lo + dex * np.arange(int(math.ceil((hi - lo) / dex + 1e-9)) + 1))
+    # The first edge is exactly `first`: 10**log10(20 m_p) can come out an ulp above 20 m_p
+    # and leave out the haloes of exactly 20 particles.
+    edges = first * 10 ** (dex * np.arange(int(math.ceil((hi - lo) / dex + 1e-9)) + 1))
     meas = measured_mass_function(mass, box_size, edges)
     curve_m = np.logspace(lo - 0.3, max(hi, lo + 1) + 0.5, 200)
     curves = {fit: mass_function_fit(curve_m, cosmology, a, fit) for fit in fits}
@@ -219,11 +222,15 @@ def _mass_panel(ax, rat, meas, curve_m, curves, labels, reference, point_label, 
 
 
 def _whole_particles(mass, particle_mass):
-    """Masses rounded to whole particles. A catalogue sums equal particle masses in float32,
-    so a halo of exactly 20 particles can weigh a rounding error less than 20 particles and
-    fall out of a bin or range that starts there."""
+    """Masses rounded to whole particles (of equal mass, as in JaxPM). A catalogue sums the
+    particle masses in float32, so a halo of exactly 20 particles can weigh a rounding error
+    less than 20 particles and fall out of a bin or range that starts there."""
     mass = np.asarray(mass, np.float64)
-    return mass if particle_mass is None else np.rint(mass / particle_mass) * particle_mass
+    if particle_mass is None:
+        return mass
+    if not (np.ndim(particle_mass) == 0 and 0 < float(particle_mass) < math.inf):
+        raise ValueError(f"particle_mass must be a positive finite mass, got {particle_mass!r}")
+    return np.rint(mass / particle_mass) * particle_mass
 
 
 def ratio_above(mass, *, box_size: float, cosmology, a: float = 1.0, fit: str = "watson13",
@@ -235,9 +242,9 @@ def ratio_above(mass, *, box_size: float, cosmology, a: float = 1.0, fit: str = 
     dlog10M`` over that range (trapezoid, 600 points; without ``max_mass`` up to
     ``1000 min_mass``: haloes that much heavier are absent from such boxes),
     ``V = box_size^3``, and the Poisson error of the ratio ``sqrt(count) / expected``.
-    With ``particle_mass`` (Msun/h), masses are first rounded to whole particles, so that
-    limits at whole particles (``min_mass = 20 * particle_mass``) count the haloes of
-    exactly that many particles whatever their float32 rounding.
+    With ``particle_mass`` (Msun/h; particles of equal mass), masses are first rounded to
+    whole particles, so that limits at whole particles (``min_mass = 20 * particle_mass``)
+    count the haloes of exactly that many particles whatever their float32 rounding.
     """
     mass = _whole_particles(mass, particle_mass)
     top = 1000 * min_mass if max_mass is None else max_mass
@@ -263,7 +270,8 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
       box_size: box side in Mpc/h.
       cosmology: a jax_cosmo Cosmology or a dict of its parameters.
       particle_mass: Msun/h per particle (marks the ``min_members`` and 100-particle limits;
-        masses are rounded to whole particles before binning, see :func:`ratio_above`).
+        masses, FoF and SO, are rounded to whole particles of this mass before binning,
+        see :func:`ratio_above`).
       dex: bin width in log10 M.
       so_mass: optional SO masses (Msun/h), e.g. M200m of the same haloes, NaN for none;
         binned from ``min_members`` particles like the FoF masses and drawn in a second
@@ -280,8 +288,8 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
                          f"M200m; got so_definition={so_definition!r}")
     plt = _pyplot()
     mass = _whole_particles(mass, particle_mass)
-    lo = math.log10(min_members * particle_mass)
-    meas, curve_m, curves = _binned(mass, box_size, lo, dex, cosmology, a,
+    first = min_members * particle_mass
+    meas, curve_m, curves = _binned(mass, box_size, first, dex, cosmology, a,
                                     ("watson13", "sheth_tormen"))
     columns = 1 if so_mass is None else 2
     fig, axes = plt.subplots(2, columns, figsize=(6.4 * columns, 6.4), sharex="col",
@@ -299,7 +307,7 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
     if so_mass is not None:
         so_all = np.asarray(so_mass, np.float64).reshape(-1)
         so = _whole_particles(so_all[np.isfinite(so_all) & (so_all > 0)], particle_mass)
-        meas_so, curve_so, curves_so = _binned(so, box_size, lo, dex, cosmology, a,
+        meas_so, curve_so, curves_so = _binned(so, box_size, first, dex, cosmology, a,
                                                ("tinker08", "sheth_tormen"))
         _mass_panel(axes[0, 1], axes[1, 1], meas_so, curve_so, curves_so,
                     [("Tinker et al. 2008, $\\Delta$ = 200m", "k-"),

@@ -19,8 +19,7 @@ from __future__ import annotations
 import math
 import re
 
-import jax
-import numpy as np
+from ._particles import check_scale_factor
 
 RHO_CRIT = 2.775e11  # h^2 Msun / Mpc^3
 H0 = 100.0  # km/s / (Mpc/h)
@@ -99,13 +98,6 @@ def momentum_to_velocity(p, a, box_size, nc):
 _OVERDENSITY = re.compile(r"^(\d+(?:\.\d*)?)([cm])$")
 
 
-def _check_scale_factor(a) -> None:
-    """Raise unless ``a`` is positive and finite (traced values pass: they are checked by
-    nothing inside ``jit``)."""
-    if not isinstance(a, jax.core.Tracer) and not np.all(np.isfinite(a) & (np.asarray(a) > 0)):
-        raise ValueError(f"the scale factor a must be positive and finite, got {a}")
-
-
 def so_density(definition: str, *, omega_m, a=1.0):
     """Threshold mean density of a spherical-overdensity definition, comoving, in
     (Msun/h) / (Mpc/h)^3: pass it to :func:`jaxpm_halos.spherical_overdensity` with masses
@@ -134,7 +126,7 @@ def so_density(definition: str, *, omega_m, a=1.0):
         raise ValueError(f"an SO definition is a string such as '200c', got {definition!r}")
     if isinstance(omega_m, (int, float)) and not 0 < omega_m <= 1:
         raise ValueError(f"omega_m must lie in (0, 1] for flat LCDM, got {omega_m}")
-    _check_scale_factor(a)
+    check_scale_factor(a)
     a3 = a * a * a
     critical = RHO_CRIT * (omega_m + (1 - omega_m) * a3)  # rho_c(a) a^3
     if definition == "vir":

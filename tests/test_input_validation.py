@@ -227,10 +227,10 @@ def test_insitu_names_b_when_the_linking_length_does_not_fit(b, shape, message):
         jh.InSitu(box_size=16.0, analyses=("fof",), b=b)(y)
 
 
-@pytest.mark.parametrize("a", [0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("a", [0.0, -1.0, float("nan"), float("inf"), 1e-50])
 def test_insitu_refuses_a_scale_factor_that_is_not_positive_and_finite(a):
     """Velocities are momenta over a: a = 0 or NaN gave NaN velocities, a = -1 flipped
-    them, with no error."""
+    them, with no error. 1e-50 is 0 in the float32 state."""
     y = jax.device_put(jnp.zeros((2, 16, 16, 16, 3)),
                        NamedSharding(make_mesh((2, 4)), P(None, "x", "y")))
     with pytest.raises(ValueError, match=r"the scale factor a must be positive and finite"):
@@ -399,6 +399,12 @@ def test_a_box_size_that_disagrees_with_the_particles_is_refused():
         with pytest.raises(ValueError, match=r"box_size=64.0 disagrees with the Particles' "
                                              r"box_size=32.0; leave box_size out"):
             call(box_size=64.0)
+    # The same box, spelled otherwise, is accepted (the first call's program is reused).
+    want = np.asarray(calls[1]())
+    for same in (32, np.int64(32), np.float32(32.0)):
+        np.testing.assert_array_equal(np.asarray(calls[1](box_size=same)), want)
+    tenth = jh.Particles.create(np.full((8, 3), 0.01, np.float32), box_size=0.1)
+    jh.knn_density(tenth, k=2, box_size=np.float32(0.1))  # 0.1 in float32 is 0.1
 
 
 @pytest.mark.parametrize("box", [[32.0, 32.0, 64.0], np.array([32.0, 32.0, 64.0]), "32"])

@@ -153,7 +153,15 @@ def test_haloes_of_exactly_min_members_particles_are_counted_and_binned(tmp_path
     r = plots.ratio_above(mass, box_size=128.0, cosmology=COSMOLOGY, min_mass=20 * mp,
                           max_mass=100 * mp, particle_mass=mp)
     assert r["count"] == 5
-    meas = plots.plot_mass_function(tmp_path / "mf.png", mass, box_size=128.0,
-                                    cosmology=COSMOLOGY, particle_mass=mp)
-    np.testing.assert_array_equal(meas["count"], np.histogram(members * mp, meas["edges"])[0])
-    assert meas["count"][0] == 4  # 20, 20, 20, 25 of [20, 31.7) particles
+    # Another particle mass, for which 10**log10(20 m_p) is an ulp above 20 m_p.
+    for m in (mp, 1199904977.9393477):
+        mass = np.array([np.sum(np.full(n, m, np.float32), dtype=np.float32) for n in members],
+                        np.float64)
+        meas = plots.plot_mass_function(tmp_path / "mf.png", mass, box_size=128.0,
+                                        cosmology=COSMOLOGY, particle_mass=m)
+        assert meas["edges"][0] == 20 * m
+        assert meas["count"][0] == 4  # 20, 20, 20, 25 of [20, 31.7) particles
+        assert meas["count"].sum() == len(members)
+    with pytest.raises(ValueError, match="particle_mass must be a positive finite mass"):
+        plots.ratio_above(mass, box_size=128.0, cosmology=COSMOLOGY, min_mass=1.0,
+                          particle_mass=0.0)
