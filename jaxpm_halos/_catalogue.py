@@ -92,7 +92,13 @@ class Catalogue:
         return out
 
     def to_numpy(self) -> dict:
-        """Host-side: the valid halos of all devices as numpy arrays, sorted by id."""
+        """Host-side: the valid halos of all devices as numpy arrays, sorted by id (one
+        process; :func:`jaxpm_halos.gather_catalogue` also takes a catalogue stacked over
+        snapshots, and several processes)."""
+        if np.ndim(self.num) == 2:  # (snapshots, devices): the rows would be misread
+            raise ValueError("this catalogue is stacked over snapshots (as InSitu.saveat "
+                             "returns it): take one with jaxpm_halos.gather_catalogue(cat, "
+                             "snapshot=i)")
         num = np.atleast_1d(np.asarray(self.num))
         rows = np.asarray(self.id).shape[0] // num.shape[0]
         keep = (np.arange(num.shape[0] * rows) % rows) < np.repeat(num, rows)

@@ -90,6 +90,9 @@ def test_round_trip_of_a_sharded_catalogue(tmp_path):
         gather_catalogue(stacked, snapshot=2)
     with pytest.raises(ValueError, match="snapshot"):
         gather_catalogue(stacked)
+    with pytest.raises(ValueError, match=r"stacked over snapshots \(as InSitu.saveat returns "
+                                         r"it\): take one with jaxpm_halos.gather_catalogue"):
+        stacked.to_numpy()  # raised an IndexError
     with pytest.raises(ValueError, match="snapshot"):
         gather_catalogue(cat, snapshot=0)
 
