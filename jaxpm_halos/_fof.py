@@ -80,6 +80,9 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
     index below ``segments`` (the sorted position of its root, shared by exactly the rows of
     one local component), the rows the z images needed, and the candidate pairs tested.
     """
+    # Components are integers, so no derivative flows through them; without this,
+    # jax.hessian of a catalogue field failed in JAX's forward mode of the binary searches.
+    ext = ext._replace(pos=lax.stop_gradient(ext.pos))
     box = pencils.box_size
     l = float(linking_length)
     wx, wy = pencils.widths

@@ -8,6 +8,14 @@ pair, so decisions such as "are these two particles friends" cannot depend on th
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
+
+
+def _to_zero(x):
+    """+0.0 where ``x`` is ±0 or the box side, with the derivative 1 of the wrap (a
+    constant zero would cut the gradient of a particle at exactly L). ``x + (-x)`` is
+    exactly +0 for every finite ``x``."""
+    return x + lax.stop_gradient(-x)
 
 
 def wrap(pos, box_size):
@@ -23,7 +31,7 @@ def wrap(pos, box_size):
     general = jnp.fmod(pos, box_size)
     general = jnp.where(general < 0, general + box_size, general)
     # -0.0 (from -L) and images that rounded up to L become 0.
-    general = jnp.where((general <= 0) | (general >= box_size), jnp.zeros_like(general), general)
+    general = jnp.where((general <= 0) | (general >= box_size), _to_zero(general), general)
     return jnp.where((pos >= 0) & (pos < box_size), pos, general)
 
 
@@ -40,7 +48,7 @@ def grid_to_box(x, nc: int, box_size: float):
         x = jnp.where(x >= nc, x - nc, x)
     x = wrap(x, nc)  # displacements beyond two boxes; a no-op otherwise
     pos = x * jnp.asarray(box_size / nc, x.dtype)
-    return jnp.where(pos >= box_size, jnp.zeros_like(pos), pos)
+    return jnp.where(pos >= box_size, _to_zero(pos), pos)
 
 
 def periodic_delta(a, b, box_size):

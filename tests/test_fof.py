@@ -191,6 +191,27 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
             checked += 1
     assert checked >= 5
 
+    # Second order: jax.hessian (forward mode over the reverse pass) used to fail in the
+    # linking's binary searches. Membership held fixed, a centre of mass moves by the mean
+    # of its members' moves, so along p0 + c t the second derivative at c = 0 of
+    # sum_h (w_h . pos_h)^2 is 2 sum_h (w_h . mean of t over h's members)^2.
+    t = rng.normal(size=pos.shape).astype(np.float32)
+    (t_sharded,) = _shard(mesh, t)
+
+    def squares(c):
+        _, cat = jh.fof(p0 + c * t_sharded, box, link, min_members=20, mesh=mesh,
+                        config=config)
+        valid = (cat.id >= 0)[:, None]
+        dots = jnp.sum(jnp.where(valid, cat.pos * weights[jnp.maximum(cat.id, 0)], 0), axis=1)
+        return jnp.sum(dots ** 2)
+
+    want = 0.0
+    for h in np.unique(labels[in_halo]):
+        members = labels == h
+        want += 2 * float(np.dot(np.asarray(weights)[np.nonzero(members)[0].min()],
+                                 t[members].mean(axis=0))) ** 2
+    np.testing.assert_allclose(float(jax.jit(jax.hessian(squares))(0.0)), want, rtol=1e-4)
+
 
 @pytest.mark.leg1
 @pytest.mark.parametrize("knob", ["transfer_factor", "capacity_factor", "ghost_factor",

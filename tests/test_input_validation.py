@@ -64,6 +64,15 @@ def test_wrap_is_exact_for_far_images_and_unchanged_in_the_box(jit):
     want = np.where((near >= 0) & (near < BOX), near, np.where(image >= BOX, 0, image) + 0.0)
     np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
     assert np.isnan(np.asarray(fn(np.float32([np.nan, np.inf, -np.inf])))).all()
+    # The image is x plus a constant, so its derivative is 1 everywhere, at L (wrapped to
+    # 0) and where the image rounds up to L as well: a constant zero used to cut it there.
+    grad = jax.grad(lambda x: jnp.sum(wrap(x, BOX)))
+    edges = np.float32([BOX, -BOX, 2 * BOX, -1e-9, 0.0, 3.0])
+    np.testing.assert_array_equal(np.asarray(grad(edges)), np.ones(6, np.float32))
+    from jaxpm_halos._geometry import grid_to_box
+    nc = 8
+    grid = jax.grad(lambda x: jnp.sum(grid_to_box(x, nc, BOX)))(np.float32([nc - 1e-6, nc, -1e-7]))
+    np.testing.assert_array_equal(np.asarray(grid), np.full(3, BOX / nc, np.float32))
 
 
 @pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
