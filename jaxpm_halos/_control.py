@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# jax < 0.8 spells the cast lax.pvary; later versions lax.pcast(..., to="varying").
+# Older jax (0.7) spells the cast lax.pvary, newer (0.10) lax.pcast(..., to="varying").
 if hasattr(lax, "pcast"):
     def _to_varying(x, axes):
         return lax.pcast(x, axes, to="varying")
@@ -38,7 +38,8 @@ def _checked_axes() -> tuple:
     if not axes:
         return ()
     # The check is a property of the enclosing shard_map; only its effect is public: a
-    # cast to varying shows in the value's type only where it is on. (Unused, so dropped.)
+    # cast to varying shows in the value's type only where it is on. (The probe is unused,
+    # so the compiler drops it.)
     return axes if _varying_over(_to_varying(jnp.zeros((), bool), axes)) else ()
 
 
