@@ -71,7 +71,8 @@ def test_wrap_is_exact_for_far_images_and_unchanged_in_the_box(jit):
     np.testing.assert_array_equal(np.asarray(grad(edges)), np.ones(6, np.float32))
     from jaxpm_halos._geometry import grid_to_box
     nc = 8
-    grid = jax.grad(lambda x: jnp.sum(grid_to_box(x, nc, BOX)))(np.float32([nc - 1e-6, nc, -1e-7]))
+    grid = jax.grad(lambda x: jnp.sum(grid_to_box(x, nc, BOX)))(
+        np.float32([nc - 1e-6, nc, -1e-7]))
     np.testing.assert_array_equal(np.asarray(grid), np.full(3, BOX / nc, np.float32))
 
 
@@ -88,7 +89,6 @@ def test_far_images_give_scipys_groups_and_neighbours(shape):
     dist, idx = jh.knn(x, BOX, 8)
     want_dist, _ = cKDTree(true.astype(np.float64), boxsize=BOX).query(true, k=9)
     np.testing.assert_allclose(np.asarray(dist), want_dist[:, 1:], rtol=4e-7, atol=1e-4)
-
 
 
 def _half(dtype):
@@ -400,10 +400,10 @@ def test_a_box_size_that_disagrees_with_the_particles_is_refused():
     """The Particles' positions were wrapped into their own box; a different box_size
     used to win silently (fof on a 32 box searched as 64: 78 groups instead of 49)."""
     particles = jh.Particles.create(np.full((8, 3), 1.0, np.float32), box_size=32.0)
+    centres = jnp.zeros((1, 3))
     calls = (lambda **kw: jh.fof(particles, b=0.2, **kw),
              lambda **kw: jh.knn_density(particles, k=2, **kw),
-             lambda **kw: jh.spherical_overdensity(particles, jnp.zeros((1, 3)), density=200.0,
-                                                         **kw))
+             lambda **kw: jh.spherical_overdensity(particles, centres, density=200.0, **kw))
     for call in calls:
         with pytest.raises(ValueError, match=r"box_size=64.0 disagrees with the Particles' "
                                              r"box_size=32.0; leave box_size out"):
