@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from ._geometry import wrap
 from ._layout import Layout, layout_of
 from ._particles import Particles, _check_box_size
-from ._status import InvalidInputError, is_traced
+from ._status import invalid_input, is_traced
 
 int32 = jnp.int32
 
@@ -275,8 +275,8 @@ def _screen_masses(mass, pos):
     m = xp.asarray(mass)
     count = int(xp.sum(~(xp.isfinite(m) & (m >= 0))))
     if count:
-        raise InvalidInputError(f"jaxpm_halos: {count} particle masses are NaN, inf or "
-                                "negative; masses must be finite and >= 0.")
+        raise invalid_input(f"jaxpm_halos: {count} particle masses are NaN, inf or "
+                            "negative; masses must be finite and >= 0.", count)
     return pos
 
 

@@ -104,7 +104,7 @@ class Failure:
 
     Attributes:
       kind: a :class:`FailureKind`.
-      count: excluded particles (NONFINITE), rows the buffer needed per device (OVERFLOW),
+      count: excluded particles, or unusable inputs (NONFINITE), rows the buffer needed per device (OVERFLOW),
         or outputs that differ between devices (UNREPLICATED).
       buffer: the buffer's name (OVERFLOW), the outputs' names (UNREPLICATED), else None.
       limit: its :class:`Limit` (OVERFLOW), else None.
@@ -188,9 +188,18 @@ class CapacityError(RuntimeError):
 
 
 class InvalidInputError(ValueError):
-    """The input holds non-finite positions or is otherwise unusable."""
+    """The input holds non-finite positions or is otherwise unusable. ``error.failure`` is
+    a :class:`Failure` of kind ``NONFINITE`` counting the unusable values."""
 
     failure: Failure | None = None
+
+
+def invalid_input(message: str, count: int) -> InvalidInputError:
+    """An :class:`InvalidInputError` with ``message`` for ``count`` unusable inputs (raised
+    outside ``jit`` before any work), carrying its :class:`Failure` like a status's error."""
+    error = InvalidInputError(message)
+    error.failure = Failure(FailureKind.NONFINITE, count)
+    return error
 
 
 @jax.tree_util.register_dataclass

@@ -226,6 +226,11 @@ def _whole_particles(mass, particle_mass):
     particle masses in float32, so a halo of exactly 20 particles can weigh a rounding error
     less than 20 particles and fall out of a bin or range that starts there."""
     mass = np.asarray(mass, np.float64)
+    bad = int(np.count_nonzero(~(np.isfinite(mass) & (mass >= 0))))
+    if bad:  # a NaN would silently leave the binning range undefined
+        raise ValueError(f"mass holds {bad} NaN, inf or negative values; pass the haloes' "
+                         "masses in Msun/h (a catalogue's padding rows weigh 0 and are "
+                         "left out of the bins)")
     if particle_mass is None:
         return mass
     if not (np.ndim(particle_mass) == 0 and 0 < float(particle_mass) < math.inf):

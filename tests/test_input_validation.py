@@ -302,10 +302,12 @@ def test_bad_masses_raise_outside_jit(mass):
     true, _, bad = _bad_masses()
     given, count = (bad, 3) if mass == "rows" else (np.float32(-2.0), 1)
     message = rf"{count} particle masses are NaN, inf or negative"
-    with pytest.raises(jh.InvalidInputError, match=message):
+    with pytest.raises(jh.InvalidInputError, match=message) as fof_error:
         jh.fof(true, BOX, LINK, mass=given)
-    with pytest.raises(jh.InvalidInputError, match=message):
+    with pytest.raises(jh.InvalidInputError, match=message) as knn_error:
         jh.knn_density(true, BOX, 8, mass=jnp.asarray(given))
+    for error in (fof_error, knn_error):  # the kind to branch on, as a status's error has
+        assert error.value.failure == jh.Failure(jh.FailureKind.NONFINITE, count)
 
 
 @pytest.mark.leg1

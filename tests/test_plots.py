@@ -165,3 +165,12 @@ def test_haloes_of_exactly_min_members_particles_are_counted_and_binned(tmp_path
     with pytest.raises(ValueError, match="particle_mass must be a positive finite mass"):
         plots.ratio_above(mass, box_size=128.0, cosmology=COSMOLOGY, min_mass=1.0,
                           particle_mass=0.0)
+    # A NaN mass left the binning range undefined (a raw "cannot convert float NaN to
+    # integer" from the plot); the ratio would count around it.
+    for bad in (np.nan, -mp):
+        with pytest.raises(ValueError, match="mass holds 1 NaN, inf or negative"):
+            plots.plot_mass_function(tmp_path / "bad.png", np.append(mass, bad), box_size=128.0,
+                                     cosmology=COSMOLOGY, particle_mass=mp)
+        with pytest.raises(ValueError, match="mass holds 1 NaN, inf or negative"):
+            plots.ratio_above(np.append(mass, bad), box_size=128.0, cosmology=COSMOLOGY,
+                              min_mass=20 * mp)

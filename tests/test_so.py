@@ -182,8 +182,10 @@ def test_errors():
     with pytest.raises(ValueError, match="pencil"):
         jh.spherical_overdensity(POS, CENTRES, box_size=BOX, density=1.0,
                                  config=jh.SOConfig(radius=3.0), mesh=make_mesh((1, 8)))
-    with pytest.raises(jh.InvalidInputError):
-        jh.spherical_overdensity(POS, np.full((1, 3), np.nan), box_size=BOX, density=1.0)
+    centres = np.concatenate([CENTRES, np.full((2, 3), np.nan)])
+    with pytest.raises(jh.InvalidInputError, match="2 SO centres are NaN") as error:
+        jh.spherical_overdensity(POS, centres, box_size=BOX, density=1.0)
+    assert error.value.failure == jh.Failure(jh.FailureKind.NONFINITE, 2)
 
 
 # ----------------------------------------------------------------------------------------
