@@ -104,11 +104,12 @@ class Failure:
 
     Attributes:
       kind: a :class:`FailureKind`.
-      count: excluded particles, or unusable inputs (NONFINITE), rows the buffer needed per device (OVERFLOW),
-        or outputs that differ between devices (UNREPLICATED).
+      count: excluded particles or unusable inputs (NONFINITE), rows the buffer needed per
+        device (OVERFLOW), or outputs that differ between devices (UNREPLICATED).
       buffer: the buffer's name (OVERFLOW), the outputs' names (UNREPLICATED), else None.
       limit: its :class:`Limit` (OVERFLOW), else None.
-      needed: the rows to provide: the largest need among buffers sharing the knob.
+      needed: the rows of this buffer for which every buffer sharing its knob fits (each
+        at its own rows per unit of the knob).
       last: whether this was the last buffer of the pipeline (later ones saw truncated data).
       also: later buffers of the same config class that overflowed too and hold particle
         rows (``PARTICLE_KNOBS``), as ``(name, limit, needed)``: grown in the same round.
@@ -256,16 +257,22 @@ class Status:
         if nonfinite:
             return Failure(FailureKind.NONFINITE, nonfinite)
         needs = {name: int(np.max(np.asarray(self.needed[name]))) for name, _ in self.limits}
-        # Buffers sharing a knob are resized together.
-        knob_need = lambda knob: max(needs[n] for n, other in self.limits if other.knob == knob)
+        def knob_need(limit: Limit) -> int:
+            """Rows of ``limit``'s buffer for which every buffer sharing its knob fits: the
+            knob resizes them together, each at its own rows per unit of the knob (a query
+            buffer's 25 rows per unit are not a particle buffer's 512)."""
+            return max(needs[n] if other.scale == limit.scale
+                       else math.ceil(needs[n] * limit.scale / other.scale)
+                       for n, other in self.limits if other.knob == limit.knob)
+
         for position, (name, limit) in enumerate(self.limits):
             if needs[name] <= limit.rows:
                 continue
-            also = tuple((later, other, knob_need(other.knob))
+            also = tuple((later, other, knob_need(other))
                          for later, other in self.limits[position + 1:]
                          if needs[later] > other.rows and other.knob in PARTICLE_KNOBS
                          and other.knob.owner is limit.knob.owner and other.knob != limit.knob)
-            return Failure(FailureKind.OVERFLOW, needs[name], name, limit, knob_need(limit.knob),
+            return Failure(FailureKind.OVERFLOW, needs[name], name, limit, knob_need(limit),
                            last=position + 1 == len(self.limits), also=also)
         if not self.replicated:
             return None

@@ -426,3 +426,26 @@ def test_a_box_size_that_is_not_one_number_says_boxes_are_cubic(box):
         jh.fof(np.zeros((8, 3), np.float32), box, 0.2)
     with pytest.raises(ValueError, match=r"non-cubic boxes are not supported"):
         jh.from_jaxpm(np.zeros((4, 4, 4, 3), np.float32), box_size=box)
+
+
+def test_a_knob_shared_by_buffers_of_different_scales_is_grown_in_its_own_unit():
+    """kNN at query points sizes the queries' buffers with the particles' capacity_factor,
+    at 25 query rows per unit against 512 particle rows. 200 queries in one pencil need
+    factor 8; the suggestion was 534 / 25 = 21.36, the particle buffer's (unfilled) rows
+    taken as query rows, which also bloated the particle buffers."""
+    from jaxpm_halos._config import CAPACITY
+    from jaxpm_halos._status import Limit, Status
+
+    status = Status({"capacity": jnp.int32(534), "query capacity": jnp.int32(200)},
+                    jnp.int32(0), (("capacity", Limit(CAPACITY, 1024, 512.0)),
+                                   ("query capacity", Limit(CAPACITY, 50, 25.0))))
+    failure = status.failure()
+    assert (failure.buffer, failure.count, failure.needed) == ("query capacity", 200, 200)
+    assert failure.settings() == {CAPACITY: 8.0}
+    # Both overflow: the first is reported, sized for the one needing more of the knob.
+    for queries, factor in ((60, 10.0), (300, 12.0)):
+        status = Status({"capacity": jnp.int32(5120), "query capacity": jnp.int32(queries)},
+                        jnp.int32(0), status.limits)
+        failure = status.failure()
+        assert (failure.buffer, failure.needed) == ("capacity", int(factor * 512))
+        assert failure.settings() == {CAPACITY: factor}
