@@ -29,6 +29,7 @@ are replicated and the same on every mesh up to the order of float additions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -411,7 +412,9 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
 
     Returns:
       ``(radius, mass)``, each ``(H,)`` for a scalar ``density`` or ``(H, D)``,
-      replicated. Inside ``jit`` an unresolved profile is NaN and reported by the status.
+      replicated. Inside ``jit`` an unresolved profile is NaN and reported by the status;
+      so is a non-finite centre (counted in ``status.nonfinite``; outside ``jit`` it raises
+      :class:`~jaxpm_halos.InvalidInputError`).
       Not differentiable: membership of a sphere is a discrete choice (gradients are
       zero with respect to positions, masses, ``density`` and ``centres``).
     """
@@ -429,7 +432,12 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
         out = run(config)
     else:
         out, _ = run_growing(run, config, lambda o: o["status"].failure(), grow=grow)
-    radius, so_mass = out["radius"], out["mass"]
+    # Inside jit a non-finite centre (refused outside) is searched by no device: its M = R
+    # = 0 would read as "below the threshold at once", so it is NaN, counted as non-finite.
+    bad = ~jnp.all(jnp.isfinite(centres), axis=1)  # (H,)
+    radius, so_mass = (jnp.where(bad[:, None], jnp.nan, out[key]) for key in ("radius", "mass"))
+    status = dataclasses.replace(out["status"],
+                                 nonfinite=out["status"].nonfinite + jnp.sum(bad, dtype=int32))
     if scalar:
         radius, so_mass = radius[:, 0], so_mass[:, 0]
-    return ((radius, so_mass, out["status"]) if with_status else (radius, so_mass))
+    return (radius, so_mass, status) if with_status else (radius, so_mass)

@@ -110,6 +110,14 @@ def test_inside_jit_equals_outside(reference):
     radius, mass, status = f(x, jnp.asarray(CENTRES))
     assert bool(status.ok)
     _check(radius, mass, reference, DENSITIES)
+    # A non-finite centre (refused outside jit) came back as M = R = 0 with status.ok.
+    bad = np.array(CENTRES)
+    bad[1, 0], bad[3, 2] = np.nan, -np.inf
+    r_bad, m_bad, status = f(x, jnp.asarray(bad))
+    assert not bool(status.ok) and int(status.nonfinite) == 2
+    rows = np.isin(np.arange(len(CENTRES)), [1, 3])
+    assert np.all(np.isnan(np.asarray(m_bad)[rows])) and np.all(np.isnan(np.asarray(r_bad)[rows]))
+    np.testing.assert_array_equal(np.asarray(m_bad)[~rows], np.asarray(mass)[~rows])
 
 
 def test_small_radius_grows_or_raises():
