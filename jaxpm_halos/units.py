@@ -19,6 +19,9 @@ from __future__ import annotations
 import math
 import re
 
+import jax
+import numpy as np
+
 from ._particles import check_scale_factor
 
 RHO_CRIT = 2.775e11  # h^2 Msun / Mpc^3
@@ -124,7 +127,9 @@ def so_density(definition: str, *, omega_m, a=1.0):
     """
     if not isinstance(definition, str):
         raise ValueError(f"an SO definition is a string such as '200c', got {definition!r}")
-    if isinstance(omega_m, (int, float)) and not 0 < omega_m <= 1:
+    # Any concrete value (numpy and jax scalars too); a traced one cannot raise.
+    if not isinstance(omega_m, jax.core.Tracer) and not np.all(
+            (np.asarray(omega_m) > 0) & (np.asarray(omega_m) <= 1)):
         raise ValueError(f"omega_m must lie in (0, 1] for flat LCDM, got {omega_m}")
     check_scale_factor(a)
     a3 = a * a * a

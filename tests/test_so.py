@@ -243,6 +243,12 @@ def test_so_density_limits():
     for a in (-1.0, 0.0, float("inf"), np.float32(-1), jnp.float32(0)):  # gave e.g. -2.2e13
         with pytest.raises(ValueError, match="scale factor a must be positive and finite"):
             units.so_density("200c", omega_m=0.3, a=a)
+    # numpy and jax scalars were let through (1.5 gave 5.55e13), Python floats refused
+    for omega_m in (1.5, np.float32(1.5), jnp.float32(0), np.nan, np.array([0.3, 2.0])):
+        with pytest.raises(ValueError, match=r"omega_m must lie in \(0, 1\]"):
+            units.so_density("200c", omega_m=omega_m)
+    assert units.so_density("200m", omega_m=np.float32(0.3)) == pytest.approx(
+        units.so_density("200m", omega_m=0.3))
 
 
 @requires("jax_cosmo")
