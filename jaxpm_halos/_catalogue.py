@@ -35,6 +35,26 @@ CATALOGUE_FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "
                     "peak")
 
 
+INSITU_UNITS = {
+    "id": "lattice index of the group's first particle", "count": "particles",
+    "mass": "Msun/h", "pos": "Mpc/h", "vel": "km/s", "vel_disp": "km/s", "radius": "Mpc/h",
+    "percolates": "flag: spans half the box or more along some axis", "box_size": "Mpc/h", "linking_length": "Mpc/h",
+    "peak": "Mpc/h",
+}
+"""Units of a catalogue from :class:`jaxpm_halos.InSitu` with ``omega_m`` given (without
+``omega_m``, ``mass`` counts particles)."""
+
+
+def insitu_units(msun: bool, so=()) -> dict:
+    """The units of an in-situ catalogue's fields: :data:`INSITU_UNITS`, with masses in
+    particles when ``msun`` is False (no ``omega_m``), and those of the SO masses and radii
+    of the definitions ``so``."""
+    out = dict(INSITU_UNITS, **({} if msun else {"mass": "particles"}))
+    for name in so:
+        out.update({"m" + name: "Msun/h", "r" + name: "Mpc/h (comoving)"})
+    return out
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Catalogue:
@@ -68,6 +88,10 @@ class Catalogue:
         in the unit of the input masses, radii in the unit of the positions.
       centre: ``"com"`` or ``"peak"``, the centre the SO quantities are measured about
         (static).
+      units: ``((field, unit), ...)`` where the producer knows them (static): set by
+        :class:`~jaxpm_halos.InSitu`; None from :func:`~jaxpm_halos.fof`, whose fields are
+        in the units of its inputs. :func:`~jaxpm_halos.write_catalogue` labels the
+        file's datasets with them.
     """
 
     id: jax.Array
@@ -83,6 +107,8 @@ class Catalogue:
     peak: jax.Array | None = None
     so: dict | None = None
     centre: str = dataclasses.field(default="com", metadata=dict(static=True))
+    units: tuple[tuple[str, str], ...] | None = dataclasses.field(default=None,
+                                                                  metadata=dict(static=True))
 
     def fields(self) -> dict:
         """The per-halo arrays by name (SO quantities flattened: ``m200c``, ``r200c``, …),

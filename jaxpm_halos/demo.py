@@ -770,6 +770,7 @@ def _write_catalogues(saved, snapshots, args, insitu, cosmology: dict, mass: flo
                         nc=args.nc, a=a, cosmology=cosmology,
                         linking_length=insitu.b * args.box / args.nc, b=insitu.b,
                         min_members=insitu.min_members,
+                        units=dict(saved["fof"]["catalogue"].units),
                         attrs=dict(particle_mass=mass, steps=args.steps, seed=args.seed,
                                    mesh=np.asarray(shape), pm_nc=pm_nc))
         catalogues.append(cat)

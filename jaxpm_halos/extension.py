@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from ._catalogue import insitu_units
 from ._config import DomainConfig, FoFConfig, KNNConfig, SOConfig
 from ._domain import Decomposition
 from ._fof import ghost_width as fof_ghost_width
@@ -204,7 +205,11 @@ def _fof_analysis(snap: Snapshot):
         density = lambda dec: peak_densities(*_knn_density(snap))
     step = halo_step(snap.plan, insitu.linking_length, insitu.min_members, insitu.fof, extras,
                      densities, density)
-    return step.run(snap.decomposition)
+    out = step.run(snap.decomposition)
+    # Written into catalogue files: only here are the units of every field known.
+    out["catalogue"] = dataclasses.replace(
+        out["catalogue"], units=tuple(insitu_units(insitu.omega_m is not None, extras.so).items()))
+    return out
 
 
 def _knn_width(insitu: "InSitu", pencils: Pencils) -> float:

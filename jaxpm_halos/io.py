@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._catalogue import CATALOGUE_FIELDS
+from ._catalogue import CATALOGUE_FIELDS, INSITU_UNITS
 
 __all__ = ["FIELDS", "INSITU_UNITS", "LoadedCatalogue", "gather_catalogue", "load_catalogue",
            "write_catalogue"]
@@ -47,15 +47,6 @@ FIELDS = CATALOGUE_FIELDS
 """Catalogue fields, in file order (``vel``, ``vel_disp`` and ``peak`` may be absent, and
 ``percolates`` in files written before it existed). Spherical-overdensity datasets
 (``m200c``, ``r200c``, ...) follow, named in the root attribute ``so_definitions``."""
-
-INSITU_UNITS = {
-    "id": "lattice index of the group's first particle", "count": "particles",
-    "mass": "Msun/h", "pos": "Mpc/h", "vel": "km/s", "vel_disp": "km/s", "radius": "Mpc/h",
-    "percolates": "flag: spans half the box or more along some axis", "box_size": "Mpc/h", "linking_length": "Mpc/h",
-    "peak": "Mpc/h",
-}
-"""Units of a catalogue from :class:`jaxpm_halos.InSitu` with ``omega_m`` given (without
-``omega_m``, ``mass`` counts particles)."""
 
 FORMAT, VERSION = "jaxpm_halos.catalogue", 1
 
@@ -230,8 +221,10 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
       linking_length: FoF linking length in the unit of positions (Mpc/h in situ).
       b: the same in units of the mean interparticle separation ``box_size / nc``.
       min_members: smallest group in the catalogue.
-      units: ``{field or attribute: unit}``; default :data:`INSITU_UNITS` (with SO masses
-        in Msun/h and radii in comoving Mpc/h).
+      units: ``{field or attribute: unit}``; default: the units an
+        :class:`~jaxpm_halos.InSitu` catalogue carries (:data:`INSITU_UNITS`, masses in
+        particles without ``omega_m``, SO masses in Msun/h and radii in comoving Mpc/h).
+        Required for other catalogues (from :func:`~jaxpm_halos.fof`, or a dict).
       snapshot: index into a catalogue stacked over snapshots.
       attrs: extra root attributes (numbers, strings or arrays).
       throw: as :func:`gather_catalogue`'s: by default a catalogue whose status failed
@@ -242,7 +235,8 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
       ``jax.process_count() > 1``: every process must call it.
 
     Raises:
-      ValueError: before anything is written, for a setting out of range (``box_size``,
+      ValueError: before anything is written, for a catalogue of unknown units without
+        ``units``, a setting out of range (``box_size``,
         ``linking_length``, ``b`` positive and finite, ``a`` in ``(0, inf)``, ``nc`` and
         ``min_members`` positive integers), an ``attrs`` name in :data:`RESERVED`, a
         field that is neither in :data:`FIELDS` nor an SO mass and radius pair (it would
@@ -270,11 +264,7 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
         raise ValueError(f"write_catalogue writes a catalogue's fields {FIELDS} and its SO "
                          f"masses and radii (m<name>, r<name> pairs); {unknown} are neither, "
                          "and load_catalogue would not read them back: write them apart")
-    if units is None:
-        units = dict(INSITU_UNITS)
-        for name in so:
-            units.update({"m" + name: "Msun/h", "r" + name: "Mpc/h (comoving)"})
-    units = {str(k): str(v) for k, v in units.items()}
+    units = _units(catalogue, units)
     if jax.process_index() != 0:
         return None
     root["num_halos"] = int(fields["id"].shape[0])
@@ -304,6 +294,21 @@ def _so_definitions(catalogue, fields) -> list[str]:
     names = list(catalogue.so) if getattr(catalogue, "so", None) else \
         [f for f in fields if f not in FIELDS]
     return [n[1:] for n in names if n.startswith("m") and "r" + n[1:] in fields]
+
+
+def _units(catalogue, units) -> dict:
+    """The given ``units``, else those the catalogue carries (in situ), else an error: a
+    default would label e.g. ``fof``'s unit masses as Msun/h."""
+    if units is None:
+        units = getattr(catalogue, "units", None)
+        if units is None:
+            raise ValueError(
+                "write_catalogue: this catalogue's units are not known (fof's fields are in "
+                "the units of its inputs; only an InSitu catalogue carries them): pass "
+                "units={field: unit}, e.g. dict(jaxpm_halos.io.INSITU_UNITS) for positions "
+                "in Mpc/h, masses in Msun/h and velocities in km/s, with 'mass': "
+                "'particles' for unit masses")
+    return {str(k): str(v) for k, v in dict(units).items()}
 
 
 def _write(path, fields, units, root, cosmology):

@@ -252,6 +252,9 @@ def test_insitu_units(insitu_run, reference):
                                rtol=1e-4, atol=1e-5 * scale)
     m_p = units.particle_mass(insitu_run["omega_m"], BOX, NC)
     np.testing.assert_allclose(got["mass"], got["count"] * m_p, rtol=1e-5)
+    # The catalogue carries these units for its files (a file's default labels).
+    carried = dict(out["fof"]["catalogue"].units)
+    assert (carried["mass"], carried["vel"], carried["pos"]) == ("Msun/h", "km/s", "Mpc/h")
     # positions in Mpc/h inside the box; radii well below the box
     assert got["pos"].min() >= 0 and got["pos"].max() < BOX
     assert 0 < got["radius"].min() and got["radius"].max() < BOX / 4

@@ -16,7 +16,7 @@ from jaxpm_halos.io import INSITU_UNITS, gather_catalogue, load_catalogue, write
 COSMO = {"Omega_c": 0.25, "Omega_b": 0.0486, "h": 0.6774, "n_s": 0.9667, "sigma8": 0.8,
          "name": "Planck15 variant"}
 META = dict(box_size=32.0, nc=16, a=0.5, cosmology=COSMO, linking_length=0.4, b=0.2,
-            min_members=5)
+            min_members=5, units=INSITU_UNITS)
 
 
 def _catalogue(rng, n):
@@ -56,7 +56,7 @@ def test_round_trip_custom_units_and_empty(tmp_path):
     cat = {k: v[:0] for k, v in _catalogue(np.random.default_rng(1), 3).items()}
     del cat["vel"], cat["vel_disp"]
     units = {"mass": "particles", "pos": "cells"}
-    got = load_catalogue(write_catalogue(tmp_path / "empty.h5", cat, **META, units=units))
+    got = load_catalogue(write_catalogue(tmp_path / "empty.h5", cat, **{**META, "units": units}))
     assert len(got) == 0 and "vel" not in got and got["pos"].shape == (0, 3)
     assert got.attrs["units"] == units
 
@@ -78,6 +78,12 @@ def test_round_trip_of_a_sharded_catalogue(tmp_path):
     got = load_catalogue(write_catalogue(tmp_path / "c.h5", cat, **META))
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value)
+    # fof's fields are in its inputs' units (here unit masses): the file labelled them
+    # Msun/h and km/s by default; now the units must be given.
+    bare = {k: v for k, v in META.items() if k != "units"}
+    with pytest.raises(ValueError, match="units are not known.*pass units="):
+        write_catalogue(tmp_path / "bare.h5", cat, **bare)
+    assert not (tmp_path / "bare.h5").exists()
 
     # The first snapshot holds no halos (num 0); -1 is the last, as in numpy.
     stacked = jax.tree.map(lambda x: jnp.stack([0 * x, x]), cat)
@@ -225,7 +231,8 @@ def test_round_trip_so_and_peak(tmp_path):
     expected = cat.to_numpy()
     assert {"peak", "m200c", "r200c", "mvir", "rvir"} <= set(expected)
     assert np.all(expected["m200c"] > 0)
-    got = load_catalogue(write_catalogue(tmp_path / "so.h5", cat, **META))
+    so_units = jaxpm_halos._catalogue.insitu_units(True, ("200c", "vir"))
+    got = load_catalogue(write_catalogue(tmp_path / "so.h5", cat, **{**META, "units": so_units}))
     assert set(got.keys()) == set(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
