@@ -68,6 +68,7 @@ def radius_limit(radius: float, pencils: Pencils) -> Limit:
     box = pencils.box_size
     scale = 1000.0 / box
     return Limit(SO_RADIUS, math.ceil(radius * scale), scale, most=largest_radius(pencils),
+                 searched=True,
                  beyond="a third of the box and the narrower pencil side of the mesh. Some "
                  "centre's enclosed density is still above the threshold there: a threshold "
                  "at or below the mean density is never reached (SO thresholds are densities "
@@ -212,9 +213,16 @@ def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, h
     first = inside & jnp.concatenate([jnp.ones(1, bool), key[1:] != key[:-1]])
     within = _segment_cumsum(m, first)  # (P,) mass of the i nearest
     before = jnp.where(first, 0, jnp.concatenate([jnp.zeros(1, m.dtype), within[:-1]]))
+    # Particles at exactly one distance form a shell that is counted whole: their order in
+    # the sort differs between meshes, and with unequal masses a crossing inside the shell
+    # would too. `shell` starts each run of equal (centre, distance); the profile is tested
+    # at its last particle, and the mass is that before its first (+ 0s: the same bits).
+    shell = jnp.concatenate([jnp.ones(1, bool), (key[1:] != key[:-1]) | (d2[1:] != d2[:-1])])
+    last = inside & jnp.concatenate([shell[1:], jnp.ones(1, bool)])
+    before = _segment_cumsum(jnp.where(shell, before, 0), shell)  # (P,) mass inside the shell
     r = jnp.sqrt(d2)
     volume = _FOUR_THIRDS_PI * r * r * r
-    below = inside[:, None] & (within[:, None] < density[None, :] * volume[:, None])  # (P, D)
+    below = last[:, None] & (within[:, None] < density[None, :] * volume[:, None])  # (P, D)
     position = jnp.where(below, t[:, None], pairs)
     crossing = jax.ops.segment_min(position, key, num_segments=h + 1)[:h]  # (H, D)
     found = crossing < pairs
@@ -392,6 +400,8 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
     the first ``i`` with ``M_i / (4/3 pi r_i^3) < density`` (the first downcrossing), and
     ``M = M_{i*-1}``, ``R = (3 M / (4 pi density))^(1/3)``, which lies in
     ``[r_{i*-1}, r_{i*})``. ``M = R = 0`` when the nearest particle is already below.
+    Particles at exactly the same distance count together, as one shell: ``i`` runs over
+    the last of each, so the result does not depend on their order (nor on the mesh).
 
     Args:
       pos: every input form :func:`~jaxpm_halos.fof` accepts (``(N, 3)`` positions,
@@ -405,13 +415,15 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
       config: :class:`~jaxpm_halos.SOConfig`; its ``radius`` bounds the radii that can be
         measured.
-      with_status: also return the :class:`~jaxpm_halos.Status`.
+      with_status: return ``(radius, mass, status)``, the
+        :class:`~jaxpm_halos.Status` third.
       grow: outside ``jit``, a profile that has not fallen below the threshold within
         ``config.radius`` (or a buffer that overflowed) makes the call run again with a
         larger value; ``False`` raises :class:`~jaxpm_halos.CapacityError` naming one.
 
     Returns:
-      ``(radius, mass)``, each ``(H,)`` for a scalar ``density`` or ``(H, D)``,
+      ``(radius, mass)`` (with ``with_status``, ``(radius, mass, status)``), each
+      ``(H,)`` for a scalar ``density`` or ``(H, D)``,
       replicated. Inside ``jit`` an unresolved profile is NaN and reported by the status;
       so is a non-finite centre (counted in ``status.nonfinite``; outside ``jit`` it raises
       :class:`~jaxpm_halos.InvalidInputError`).

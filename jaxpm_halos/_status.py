@@ -37,6 +37,8 @@ class Limit:
       scale: rows per unit of the knob (``rows == ceil(knob * scale)``); 1 for integer knobs.
       most: the largest value the knob can take here (None: no bound), and ``beyond``,
         why, for the error when a buffer needs more.
+      searched: what is needed is only known once reached (the SO search radius: the
+        need is twice the value, a step, not a value known to fit).
     """
 
     knob: Knob
@@ -44,6 +46,7 @@ class Limit:
     scale: float = 1.0
     most: float | None = None
     beyond: str = ""
+    searched: bool = False
 
     def suggest(self, needed: int, margin: float = 1.0) -> float | int:
         """Smallest knob value (2 decimals for factors) whose capacity holds ``needed``
@@ -161,6 +164,11 @@ class Failure:
             setting = f"{knob.owner.__name__}({fields})"
         else:
             setting = spell_config(self.grown(config), keep=knob)
+        if self.limit.searched:
+            return (f"jaxpm_halos: {knob} was not enough ('{self.buffer}'): what it needs is "
+                    "only known once reached. "
+                    f"Rerun with {argument.format(setting)} or more (twice the value; "
+                    "grow=True, the default outside jit, finds it).")
         text = (f"jaxpm_halos: buffer '{self.buffer}' overflowed: {self.count} rows were needed "
                 f"per device but {knob} gives {self.limit.rows}. Rerun with "
                 f"{argument.format(setting)}.")
@@ -314,7 +322,11 @@ class Status:
 
     def raise_if_failed(self, config=None) -> None:
         """Runtime check usable inside ``jit``: like :meth:`error_if`, without data to
-        thread. Prefer :meth:`error_if`, which also orders the check before later work."""
+        thread. Prefer :meth:`error_if`, which also orders the check before later work.
+
+        The error reaches Python with the outputs of the jitted function. One that returns
+        nothing on a mesh returns before the check fails: call ``jax.effects_barrier()``
+        after it to have the error raised there."""
         self.error_if(self.nonfinite, config)
 
 
