@@ -213,16 +213,9 @@ def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, h
     first = inside & jnp.concatenate([jnp.ones(1, bool), key[1:] != key[:-1]])
     within = _segment_cumsum(m, first)  # (P,) mass of the i nearest
     before = jnp.where(first, 0, jnp.concatenate([jnp.zeros(1, m.dtype), within[:-1]]))
-    # Particles at exactly one distance form a shell that is counted whole: their order in
-    # the sort differs between meshes, and with unequal masses a crossing inside the shell
-    # would too. `shell` starts each run of equal (centre, distance); the profile is tested
-    # at its last particle, and the mass is that before its first (+ 0s: the same bits).
-    shell = jnp.concatenate([jnp.ones(1, bool), (key[1:] != key[:-1]) | (d2[1:] != d2[:-1])])
-    last = inside & jnp.concatenate([shell[1:], jnp.ones(1, bool)])
-    before = _segment_cumsum(jnp.where(shell, before, 0), shell)  # (P,) mass inside the shell
     r = jnp.sqrt(d2)
     volume = _FOUR_THIRDS_PI * r * r * r
-    below = last[:, None] & (within[:, None] < density[None, :] * volume[:, None])  # (P, D)
+    below = inside[:, None] & (within[:, None] < density[None, :] * volume[:, None])  # (P, D)
     position = jnp.where(below, t[:, None], pairs)
     crossing = jax.ops.segment_min(position, key, num_segments=h + 1)[:h]  # (H, D)
     found = crossing < pairs
@@ -400,8 +393,8 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
     the first ``i`` with ``M_i / (4/3 pi r_i^3) < density`` (the first downcrossing), and
     ``M = M_{i*-1}``, ``R = (3 M / (4 pi density))^(1/3)``, which lies in
     ``[r_{i*-1}, r_{i*})``. ``M = R = 0`` when the nearest particle is already below.
-    Particles at exactly the same distance count together, as one shell: ``i`` runs over
-    the last of each, so the result does not depend on their order (nor on the mesh).
+    Particles at exactly the same distance are taken in the sort's order, which can
+    differ between meshes: with unequal masses, a crossing among them can then differ too.
 
     Args:
       pos: every input form :func:`~jaxpm_halos.fof` accepts (``(N, 3)`` positions,

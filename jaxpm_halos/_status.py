@@ -146,9 +146,9 @@ class Failure:
         alone. ``argument`` formats the setting as the
         caller's argument, e.g. ``"config={}"``."""
         if self.kind is FailureKind.NONFINITE:
-            return (f"jaxpm_halos: {self.count} particle positions (or masses) are NaN, inf or "
-                    "unusable (inside jit they are left out of the results). Clean the input "
-                    "(or mask those particles) and rerun.")
+            return (f"jaxpm_halos: {self.count} particle positions (or masses, query points "
+                    "or SO centres) are NaN, inf or unusable (inside jit they are left out of "
+                    "the results). Clean the input (or mask those rows) and rerun.")
         if self.kind is FailureKind.UNREPLICATED:
             return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
                     "every device (only one device's value would come back). Reduce it over "
@@ -218,7 +218,7 @@ class Status:
 
     ``needed`` maps a buffer name to an int32 scalar; ``limits`` (static) maps the same names
     to their :class:`Limit`, in pipeline order. ``nonfinite`` counts particles whose position
-    was NaN or inf: they were excluded from every result. A status covers every buffer its
+    (or mass) was NaN or inf, and SO centres that were: they were excluded from every result. A status covers every buffer its
     result depends on, the shared decomposition included. ``unreplicated`` (bool, one per
     name in the static ``replicated``) flags the outputs of in-situ user analyses declared
     ``"replicated"`` that were not the same on every device.

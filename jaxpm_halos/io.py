@@ -307,7 +307,8 @@ def _units(catalogue, units) -> dict:
                 "the units of its inputs; only an InSitu catalogue carries them): pass "
                 "units={field: unit}, e.g. dict(jaxpm_halos.io.INSITU_UNITS) for positions "
                 "in Mpc/h, masses in Msun/h and velocities in km/s, with 'mass': "
-                "'particles' for unit masses")
+                "'particles' for unit masses, and an entry per SO dataset ('m200c': "
+                "'Msun/h', 'r200c': 'Mpc/h (comoving)')")
     return {str(k): str(v) for k, v in dict(units).items()}
 
 

@@ -73,8 +73,7 @@ def periodic_difference(a, b, box):
 
 
 def so_reference(pos, centres, box, density, mass, knife=None):
-    """First-downcrossing SO masses (H, D) by brute force in float64, particles at
-    exactly equal distances counted together (one shell, tested at its last).
+    """First-downcrossing SO masses (H, D) by brute force in float64.
 
     With ``knife`` (a relative width) it also returns where float32 arithmetic may
     legitimately find another first downcrossing (H, D): a point of the profile at or
@@ -96,13 +95,11 @@ def so_reference(pos, centres, box, density, mass, knife=None):
         volume = 4 / 3 * np.pi * r ** 3
         close = (np.abs(np.diff(r, append=np.inf)) <= tol * r) & (r > 0)
         swing = np.abs(np.diff(m, append=m[-1]))  # what swapping a close pair adds to within
-        last = np.append(r[1:] != r[:-1], True)  # equal distances count as one shell
         for k, rho in enumerate(density):
-            below = (within < rho * volume) & last
+            below = within < rho * volume
             first = int(np.argmax(below))
             assert below[first]
-            start = int(np.searchsorted(r, r[first]))  # the shell's first particle
-            out[h, k] = within[start - 1] if start > 0 else 0.0
+            out[h, k] = within[first - 1] if first > 0 else 0.0
             gap = np.abs(within - rho * volume)
             flips = (gap <= tol * within) | (close & (gap <= swing + tol * within))
             edge[h, k] = np.any(flips[:first + 1])

@@ -75,30 +75,6 @@ def test_brute_force_reference_is_a_downcrossing():
     assert so_reference(pos, [[5.0, 5, 5]], 20.0, rho, 1.0)[0, 0] == 3.0
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 8)]) + [None])
-def test_particles_at_one_distance_count_as_one_shell(shape):
-    """Six particles at exactly r = 1 (one of mass 10, five of 1), nothing else within 4:
-    M(<= 1) = 15 is above the threshold mass 5 there. Taken one by one in the sort's
-    order, the result was 15 only where the heavy one came first: 0 on (2, 4) and (8, 1)
-    and, on one device, for most choices of which one is heavy."""
-    rng = np.random.default_rng(11)
-    box, centre = 50.0, np.array([25.0, 12.5, 25.0])
-    far = rng.random((400, 3)) * box
-    far = far[np.linalg.norm((far - centre + box / 2) % box - box / 2, axis=1) > 4][:202]
-    shell = centre + np.concatenate([np.eye(3), -np.eye(3)])
-    pos = np.concatenate([shell, far]).astype(np.float32)
-    density = np.float32(5 / (4 / 3 * np.pi))
-    x = pos if shape is None else jax.device_put(
-        jnp.asarray(pos), NamedSharding(make_mesh(shape), P(("x", "y"))))
-    for heavy in (0, 3, 5):
-        mass = np.ones(len(pos), np.float32)
-        mass[heavy] = 10
-        assert so_reference(pos, centre[None], box, density, mass)[0, 0] == 15
-        _, got = jh.spherical_overdensity(x, centre[None].astype(np.float32), box_size=box,
-                                          density=density, mass=mass)
-        assert float(got[0]) == 15, heavy
-
-
 @pytest.fixture(scope="module")
 def reference():
     return so_reference(POS, CENTRES, BOX, DENSITIES, 1.0, KNIFE)
