@@ -257,6 +257,7 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     if not isinstance(cosmology, Mapping):
         raise ValueError(f"cosmology must be a dict of parameters, got {cosmology!r}")
     cosmology = {str(k): _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
+    units = _units(catalogue, units)  # before the gather, which is collective
     fields = gather_catalogue(catalogue, snapshot, throw=throw)
     so = _so_definitions(catalogue, fields)
     unknown = sorted(set(fields) - set(FIELDS) - {p + n for n in so for p in "mr"})
@@ -264,7 +265,6 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
         raise ValueError(f"write_catalogue writes a catalogue's fields {FIELDS} and its SO "
                          f"masses and radii (m<name>, r<name> pairs); {unknown} are neither, "
                          "and load_catalogue would not read them back: write them apart")
-    units = _units(catalogue, units)
     if jax.process_index() != 0:
         return None
     root["num_halos"] = int(fields["id"].shape[0])
