@@ -383,6 +383,17 @@ def _centres(centres, dtype):
     return c.astype(dtype)
 
 
+def _mark_nonfinite_centres(out: dict, centres) -> dict:
+    """Inside jit a non-finite centre is searched by no device: its M = R = 0 would read as
+    "below the threshold at once", so it is NaN, counted as non-finite."""
+    bad = ~jnp.all(jnp.isfinite(centres), axis=1)  # (H,)
+    status = out["status"]
+    return {"radius": jnp.where(bad[:, None], jnp.nan, out["radius"]),
+            "mass": jnp.where(bad[:, None], jnp.nan, out["mass"]),
+            "status": dataclasses.replace(status, nonfinite=status.nonfinite
+                                          + jnp.sum(bad, dtype=int32))}
+
+
 def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, mesh=None,
                           config: SOConfig | None = None, with_status: bool = False,
                           grow: bool = True):
@@ -434,15 +445,10 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
         return _so_program(problem, in_specs, cfg, radius)(*args)
 
     if is_traced(args):
-        out = run(config)
-    else:
+        out = _mark_nonfinite_centres(run(config), centres)
+    else:  # _centres refused non-finite centres
         out, _ = run_growing(run, config, lambda o: o["status"].failure(), grow=grow)
-    # Inside jit a non-finite centre (refused outside) is searched by no device: its M = R
-    # = 0 would read as "below the threshold at once", so it is NaN, counted as non-finite.
-    bad = ~jnp.all(jnp.isfinite(centres), axis=1)  # (H,)
-    radius, so_mass = (jnp.where(bad[:, None], jnp.nan, out[key]) for key in ("radius", "mass"))
-    status = dataclasses.replace(out["status"],
-                                 nonfinite=out["status"].nonfinite + jnp.sum(bad, dtype=int32))
+    radius, so_mass, status = out["radius"], out["mass"], out["status"]
     if scalar:
         radius, so_mass = radius[:, 0], so_mass[:, 0]
     return (radius, so_mass, status) if with_status else (radius, so_mass)

@@ -220,9 +220,9 @@ class Status:
     to their :class:`Limit`, in pipeline order. ``nonfinite`` counts particles whose position
     (or mass) was NaN or inf, and SO centres that were: they were excluded from every
     result. A status covers every buffer its result depends on, the shared decomposition
-    included. ``unreplicated`` (bool, one per
-    name in the static ``replicated``) flags the outputs of in-situ user analyses declared
-    ``"replicated"`` that were not the same on every device.
+    included. ``unreplicated`` (bool, one per name in the static ``replicated``) flags the
+    outputs of in-situ user analyses declared ``"replicated"`` that were not the same on
+    every device.
     """
 
     needed: Mapping[str, jax.Array]
