@@ -388,6 +388,10 @@ def test_reduce_hook_returns_only_per_particle_values(clustered):
     with pytest.raises(ValueError, match=r"knn's reduce fn must return per-row arrays.*"
                                          r"output \['total'\] has shape \(\)"):
         jh.knn(_shard(mesh, clustered), BOX, k, reduce=lambda d, i, x: {"total": d.sum()})
+    # Query points carry only their positions: a missing field is named, with what is there.
+    with pytest.raises(KeyError, match=r"asked data for 'mass'.*at query points"):
+        jh.knn(_shard(mesh, clustered), BOX, k, query=clustered[:16],
+               reduce=lambda d, i, x: {"m": x["mass"]})
 
 
 def test_gradients_equal_the_analytic_gradient_with_the_neighbours_held_fixed():
