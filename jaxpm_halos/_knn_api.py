@@ -23,7 +23,7 @@ from ._layout import Pencils
 from ._particles import Particles
 from ._pipeline import JitProgram, Plan, Step, analyse, on_device, plan_for, run_sharded
 from ._retry import run_growing
-from ._status import invalid_input, is_traced
+from ._status import is_traced, refuse_nonfinite_points
 
 int32 = jnp.int32
 
@@ -203,13 +203,9 @@ def _query_rows(query, devices: int):
     m = flat.shape[0]
     if m == 0:
         raise ValueError("query holds no points")
-    if not is_traced(flat):
-        # Named here: the status would count them with the particles as "positions".
-        bad = int(jnp.sum(~jnp.all(jnp.isfinite(flat), axis=1)))
-        if bad:
-            raise invalid_input(f"jaxpm_halos: {bad} query points are NaN or inf; pass "
-                                "finite query points (inside jit their rows give NaN and "
-                                "id -1)", bad)
+    # Named here: the status would count them with the particles as "positions".
+    refuse_nonfinite_points(flat, "query points", "pass finite query points (inside jit "
+                            "their rows give NaN and id -1)")
     pad = -m % devices
     if pad:
         flat = jnp.concatenate([flat, jnp.zeros((pad, 3), flat.dtype)])

@@ -50,7 +50,7 @@ from ._layout import Pencils
 from ._particles import _check_integer
 from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
-from ._status import Limit, Status, invalid_input, is_traced
+from ._status import Limit, Status, is_traced, refuse_nonfinite_points
 
 int32 = jnp.int32
 _REACH = 2  # columns of side r / 2 on each side of a centre's column cover the radius r
@@ -376,10 +376,7 @@ def _centres(centres, dtype):
     c = jnp.asarray(centres)
     if c.ndim != 2 or c.shape[-1] != 3 or c.shape[0] == 0:
         raise ValueError(f"centres must have shape (H, 3) with H >= 1, got {c.shape}")
-    bad = 0 if is_traced(c) else int(jnp.sum(~jnp.all(jnp.isfinite(c), axis=-1)))
-    if bad:
-        raise invalid_input(f"jaxpm_halos: {bad} SO centres are NaN or inf; centres must be "
-                            "finite", bad)
+    refuse_nonfinite_points(c, "SO centres", "centres must be finite")
     return c.astype(dtype)
 
 

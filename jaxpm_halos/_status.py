@@ -203,6 +203,17 @@ class InvalidInputError(ValueError):
     failure: Failure | None = None
 
 
+def refuse_nonfinite_points(points, what: str, fix: str) -> None:
+    """Outside ``jit``, raise :func:`invalid_input` naming how many ``points`` (rows of the
+    last axis) hold NaN or inf: ``"jaxpm_halos: {n} {what} are NaN or inf; {fix}"``.
+    Traced points are left to the status, which counts them."""
+    if is_traced(points):
+        return
+    bad = int(jnp.sum(~jnp.all(jnp.isfinite(points), axis=-1)))
+    if bad:
+        raise invalid_input(f"jaxpm_halos: {bad} {what} are NaN or inf; {fix}", bad)
+
+
 def invalid_input(message: str, count: int) -> InvalidInputError:
     """An :class:`InvalidInputError` with ``message`` for ``count`` unusable inputs (raised
     outside ``jit`` before any work), carrying its :class:`Failure` like a status's error."""
