@@ -23,8 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxpm_halos
 
 # Every test here patches or runs jaxdecomp's halo exchange through JaxPM.
-pytestmark = [requires("jaxdecomp", *JAXPM_STACK),
-              pytest.mark.optimised]  # compiled as users do in CI (pyproject.toml)
+pytestmark = requires("jaxdecomp", *JAXPM_STACK)
 
 NC, BOX, STEPS, HALO = 16, 32.0, 3, 8
 

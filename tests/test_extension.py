@@ -15,7 +15,6 @@ from jaxpm_halos import from_jaxpm, units
 from jaxpm_halos.extension import REGISTRY, InSitu, check, register
 from jaxpm_halos.io import gather_catalogue
 
-pytestmark = pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
 
 NEEDS_KNN = pytest.mark.skipif("knn_density" not in REGISTRY,
                                reason="the knn_density analysis is not registered yet")
@@ -205,6 +204,7 @@ def reference(insitu_run):
     return final, labels, cat.to_numpy()
 
 
+@pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
 @requires_jaxpm
 def test_insitu_catalogue_equals_fof_afterwards(insitu_run, reference):
     """Done-when: the in-situ catalogue at the final snapshot equals fof run afterwards on
@@ -236,6 +236,7 @@ def test_insitu_catalogue_equals_fof_afterwards(insitu_run, reference):
     assert len(early["id"]) < len(got["id"])
 
 
+@pytest.mark.optimised
 @requires_jaxpm
 def test_insitu_units(insitu_run, reference):
     """Velocities are momentum_to_velocity of the mean momentum; masses count * m_p."""
@@ -260,6 +261,7 @@ def test_insitu_units(insitu_run, reference):
     assert 0 < got["radius"].min() and got["radius"].max() < BOX / 4
 
 
+@pytest.mark.optimised
 @requires_jaxpm
 def test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force(insitu_run):
     """Inside diffeqsolve's SaveAt: the density peaks and SO masses and radii (thresholds
@@ -290,6 +292,7 @@ def test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force(insitu_run):
         assert np.max(got["m200m"]) > 50 * m_p  # resolved haloes, not single particles
 
 
+@pytest.mark.optimised
 @NEEDS_KNN
 @requires_jaxpm
 def test_insitu_density_equals_knn_density_afterwards(insitu_run):

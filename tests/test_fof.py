@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos as jh
 import reference as ref
-from conftest import make_mesh
+from conftest import make_mesh, mesh_params
 
 BOX = 16.0
 N = 4096
@@ -119,7 +119,7 @@ def _poisson_near_percolation(seed):
     return (rng.uniform(0, BOX, (N, 3)).astype(np.float32),)
 
 
-@pytest.mark.parametrize("shape", [(1, 8), (8, 1), (2, 4), (4, 2)])
+@pytest.mark.parametrize("shape", mesh_params([(1, 8), (8, 1), (2, 4), (4, 2)]))
 def test_percolating_group_spans_all_domains(shape):
     link = 0.9 * BOX / N ** (1 / 3)
     (pos,) = _tie_free(_poisson_near_percolation, link)
@@ -142,6 +142,7 @@ def test_jit_takes_mesh_from_traced_input(adversarial):
     assert bool(cat.status.ok)
 
 
+@pytest.mark.leg1
 def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
     rng = np.random.default_rng(3)
     box, n = 8.0, 1024
@@ -345,7 +346,7 @@ def test_bad_arguments_raise(adversarial, kwargs, message):
         jh.fof(pos, BOX, mesh=mesh, **kwargs)
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (8, 1)])
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1)]))
 def test_particle_count_not_divisible_by_the_devices(adversarial, shape):
     """N = 4093 on 8 devices: padded to 4096 inside, the padding takes no part (labels,
     catalogue, the mean separation behind ``b``)."""
@@ -385,6 +386,7 @@ def _clumps_at_tiny_link(seed, box, link):
 
 
 @pytest.mark.parametrize("box, link", TINY_LINK_CASES)
+@pytest.mark.leg1
 def test_memory_follows_particles_not_box_over_linking_length(box, link):
     """Compiled only: 4,096 points with l / L = 2e-5 or 2.5e-6 need temporaries of the order
     of N, as with l / L = 1e-2. A histogram over every x-y column took 2.6 GB and 7.3 GB."""
@@ -394,7 +396,7 @@ def test_memory_follows_particles_not_box_over_linking_length(box, link):
     assert temp < 1000 * N, f"{temp / N:.0f} bytes of temporaries per particle"
 
 
-@pytest.mark.parametrize("shape, case", [((2, 4), 1), ((8, 1), 0)])
+@pytest.mark.parametrize("shape, case", [((2, 4), 1), pytest.param((8, 1), 0, marks=pytest.mark.leg1)])
 def test_labels_match_scipy_at_tiny_linking_length(shape, case):
     box, link = TINY_LINK_CASES[case]
     pos = next(pos for (pos,) in (_clumps_at_tiny_link(seed, box, link) for seed in range(20))
@@ -461,7 +463,7 @@ def test_local_api_inside_user_shard_map(adversarial):
     np.testing.assert_array_equal(got, want_cat["id"])
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (8, 1), (1, 1)])
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1), (1, 1)]))
 def test_groups_reaching_half_the_box_are_flagged_percolating(shape):
     """A chain spanning the whole box along x and a diagonal chain reaching 0.6 L along y
     percolate or reach past L / 2; a chain of 0.4 L and compact clumps do not. The flag is
@@ -520,6 +522,7 @@ def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survive
 
 
 @pytest.mark.optimised
+@pytest.mark.leg1
 def test_compiler_options_for_a_users_jit_give_the_same_bits():
     """``jaxpm_halos.compiler_options()`` (XLA's memory-minimising scheduler on CPU) in a
     user's own jit changes the schedule, not the results; it is a fresh dict per call."""

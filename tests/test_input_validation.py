@@ -76,7 +76,8 @@ def test_wrap_is_exact_for_far_images_and_unchanged_in_the_box(jit):
     np.testing.assert_array_equal(np.asarray(grid), np.full(3, BOX / nc, np.float32))
 
 
-@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param(None, marks=pytest.mark.leg1)],
+                         ids=["mesh2x4", "single"])
 def test_far_images_give_scipys_groups_and_neighbours(shape):
     given, true = _far_layout()
     mesh = None if shape is None else make_mesh(shape)
@@ -365,6 +366,7 @@ def test_too_large_k_names_a_k_that_fits_or_none(n, k, message):
 
 
 @pytest.mark.parametrize("mass", [0.0, np.zeros(64, np.float32)], ids=["scalar", "rows"])
+@pytest.mark.leg1
 def test_overdensity_of_zero_total_mass_raises(mass):
     pos = np.random.default_rng(5).uniform(0, 10.0, (64, 3)).astype(np.float32)
     with pytest.raises(ValueError, match="total mass is 0"):
@@ -398,6 +400,7 @@ def test_insitu_takes_one_analysis_named_as_a_string():
     assert jh.InSitu(box_size=16.0, analyses="fof").analyses == ("fof",)
 
 
+@pytest.mark.leg1
 def test_a_box_size_that_disagrees_with_the_particles_is_refused():
     """The Particles' positions were wrapped into their own box; a different box_size
     used to win silently (fof on a 32 box searched as 64: 78 groups instead of 49)."""

@@ -205,6 +205,7 @@ def _nearest_by_distance_then_id(data, box, k, query=None):
     return np.sqrt(np.take_along_axis(d2, order, axis=1)), order
 
 
+@pytest.mark.leg1
 def test_ties_across_the_kth_distance_pick_the_lowest_ids():
     """When more particles lie at exactly the k-th distance than the list holds, the ones
     listed are those of lowest id, in id order, on one device and on a mesh, through the
@@ -252,6 +253,7 @@ def test_spheres_wider_than_the_ghost_layer_are_completed_across_devices(cluster
     _check_exact(clustered, BOX, 8, dist, idx)
 
 
+@pytest.mark.leg1
 def test_a_clustered_device_may_complete_more_queries_remotely_than_two_n0():
     """64 particles on 8 devices (n0 = 8), a clump of 21 on one device and k = 40: most of
     its queries need the cross-device pass (28 rows). Its buffer was capped at 2 n0 = 16
@@ -297,6 +299,7 @@ def test_density_with_masses_and_overdensity(clustered):
     np.testing.assert_allclose(np.asarray(delta), rho / mean - 1, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.leg1
 def test_density_of_equal_masses_equals_per_particle_masses(clustered):
     """Equal masses (static or a traced scalar) keep only the k-th neighbour; the densities
     are bitwise those of the same masses given per particle (all k - 1 gathered)."""
@@ -336,6 +339,7 @@ def test_query_points(clustered):
     np.testing.assert_allclose(np.asarray(rho_grid).reshape(128), want[:128], rtol=1e-5)
 
 
+@pytest.mark.leg1
 def test_overdensity_of_equal_masses_is_the_same_bits_on_every_mesh(clustered):
     """The mean density of equal masses is N m with N counted exactly: a float sum of the
     masses would round differently on different meshes (and differ from InSitu's)."""
@@ -351,7 +355,7 @@ def test_overdensity_of_equal_masses_is_the_same_bits_on_every_mesh(clustered):
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1)]), ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     """N = 4093 on 8 devices: padded inside; no padding row is a neighbour, and the mean
     density of ``overdensity`` counts the real particles only."""

@@ -15,14 +15,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpm_halos import units
 from jaxpm_halos.extension import InSitu
 from jaxpm_halos.io import gather_catalogue, load_catalogue
 
-pytestmark = pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
 
 CHILD = textwrap.dedent("""
     import os, sys

@@ -25,7 +25,6 @@ from jaxpm_halos import from_jaxpm, units
 from jaxpm_halos.extension import REGISTRY, InSitu, check, register
 from jaxpm_halos.io import gather_catalogue
 
-pytestmark = pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
 
 OMEGA_C, SIGMA8 = 0.25, 0.8  # run_simulation's default cosmology
 

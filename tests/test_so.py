@@ -120,6 +120,7 @@ def test_inside_jit_equals_outside(reference):
     np.testing.assert_array_equal(np.asarray(m_bad)[~rows], np.asarray(mass)[~rows])
 
 
+@pytest.mark.leg1
 def test_small_radius_grows_or_raises():
     mesh = make_mesh((2, 4))
     x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(("x", "y"))))
@@ -148,6 +149,7 @@ def test_small_radius_grows_or_raises():
     assert status.failure().buffer == "so radius"
 
 
+@pytest.mark.leg1
 def test_a_threshold_at_the_mean_density_says_why_no_radius_fits():
     """A profile that never falls below the threshold grows the search to the largest
     radius the box supports, then raises an error that says so (not one about a radius
@@ -163,6 +165,7 @@ def test_a_threshold_at_the_mean_density_says_why_no_radius_fits():
         jh.spherical_overdensity(pos, pos[:2], box_size=10.0, density=2.0, grow=False)
 
 
+@pytest.mark.leg1
 def test_pair_buffer_batches_and_overflow():
     """A buffer smaller than all centres' candidates handles them in batches (same
     result, bitwise); one smaller than one centre's candidates is reported."""
@@ -329,6 +332,7 @@ def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     assert np.all(got["m200"] >= got["m1000"]) and np.all(got["m200"] > 12)
 
 
+@pytest.mark.leg1
 def test_peak_gradient_is_the_densest_members_and_so_gradients_are_zero(planted):
     """d peak / d positions is the identity on the densest member (the choice held fixed)
     and zero elsewhere; SO masses have zero gradients with respect to positions and

@@ -17,7 +17,6 @@ from conftest import requires_jaxpm
 
 from jaxpm_halos import units
 
-pytestmark = pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
 
 # CODATA 2018 G, IAU 2015 nominal solar mass parameter / G, IAU 2012 au -> parsec
 G_SI = 6.67430e-11  # m^3 kg^-1 s^-2
