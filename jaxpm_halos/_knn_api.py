@@ -39,15 +39,6 @@ class _Spec(NamedTuple):
     kth_only: bool = False  # a density of equal masses: keep only the k-th neighbour
 
 
-class _RowData(dict):
-    """``reduce``'s ``data``: a missing field names the fields there are, since query
-    points carry only their positions."""
-
-    def __missing__(self, key):
-        raise KeyError(f"knn's reduce fn asked data for {key!r}; data holds {sorted(self)} "
-                       "(at query points: their 'pos' and the 'neighbour_mass')")
-
-
 def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
     """Per-row outputs from the neighbours, on the device."""
     k, box = spec.k, plan.pencils.box_size
@@ -59,8 +50,16 @@ def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
     dist = neighbour_distances(qpos, nb, box)
     if spec.output == "neighbours":
         return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
-    data = _RowData(data, neighbour_mass=nb.mass)
-    value = spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)
+    data = dict(data, neighbour_mass=nb.mass)
+    try:
+        value = spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)
+    except KeyError as error:
+        # Query points carry only their positions: name the fields there are.
+        key = error.args[0] if error.args else None
+        if not isinstance(key, str) or key in data:
+            raise
+        raise KeyError(f"knn's reduce fn asked data for {key!r}; data holds "
+                       f"{sorted(data)}") from error
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
         shape = tuple(jnp.shape(leaf))
         if not shape or shape[0] != dist.shape[0]:

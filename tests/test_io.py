@@ -217,7 +217,6 @@ def test_load_names_what_a_damaged_file_lacks(tmp_path, damage, message):
         load_catalogue(path)
 
 
-@pytest.mark.leg1
 def test_round_trip_so_and_peak(tmp_path):
     """SO datasets (m200c, r200c, ...) and the density peak, from a sharded fof catalogue,
     with their units, definitions and centre; a numpy dict infers the centre from peak."""

@@ -12,7 +12,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpm_halos import Particles, from_jaxpm
 
-pytestmark = pytest.mark.optimised  # compiled as users do in CI (pyproject.toml)
 
 
 def lattice(nc):
@@ -50,6 +49,7 @@ def check_lattice_particles(p, disp, mom, box):
         np.testing.assert_array_equal(np.asarray(p.vel), mom)
 
 
+@pytest.mark.optimised  # a JaxPM run, compiled as users do in CI (pyproject.toml)
 def test_real_run_positions_ids(jaxpm_snapshot_32):
     snap = jaxpm_snapshot_32
     p = from_jaxpm(snap.disp_sharded, snap.mom_sharded, snap.box_size, mass=2.5)
@@ -166,6 +166,7 @@ def test_bad_inputs(args, kwargs, match):
 
 
 @requires_jaxpm
+@pytest.mark.optimised
 def test_in_situ_saveat():
     """from_jaxpm inside diffrax's SaveAt fn of a distributed run (the demo's plug-in point)."""
     from jaxpm_halos.demo import describe_layout, run_simulation

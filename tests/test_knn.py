@@ -128,6 +128,7 @@ def test_k(clustered, k):
     _check_exact(clustered, BOX, k, dist, idx)
 
 
+@pytest.mark.optimised  # bits against `unsharded`, compiled in that part
 @pytest.mark.leg1
 def test_gpu_settings_give_the_same_neighbours(clustered, unsharded, monkeypatch):
     """The settings picked on a GPU (1024 batches per step, 4096 per planning step, merge
@@ -355,7 +356,8 @@ def test_overdensity_of_equal_masses_is_the_same_bits_on_every_mesh(clustered):
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1)]), ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1)], leg2=[(2, 4)]),
+                         ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     """N = 4093 on 8 devices: padded inside; no padding row is a neighbour, and the mean
     density of ``overdensity`` counts the real particles only."""
@@ -393,7 +395,8 @@ def test_reduce_hook_returns_only_per_particle_values(clustered):
                                          r"output \['total'\] has shape \(\)"):
         jh.knn(_shard(mesh, clustered), BOX, k, reduce=lambda d, i, x: {"total": d.sum()})
     # Query points carry only their positions: a missing field is named, with what is there.
-    with pytest.raises(KeyError, match=r"asked data for 'mass'.*at query points"):
+    with pytest.raises(KeyError, match=r"asked data for 'mass'; data holds "
+                                       r"\['neighbour_mass', 'pos'\]"):
         jh.knn(_shard(mesh, clustered), BOX, k, query=clustered[:16],
                reduce=lambda d, i, x: {"m": x["mass"]})
 

@@ -14,10 +14,6 @@ from pathlib import Path
 
 import pytest
 
-# On the pinned stack only, compiled with LLVM unoptimised (.ci/run): the comparisons stay
-# within one setting, and leg 2 ran this at that setting too before it was trimmed for time.
-pytestmark = pytest.mark.leg1
-
 CHILD = textwrap.dedent("""
     import os
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -38,6 +34,9 @@ CHILD = textwrap.dedent("""
     want_labels = fof_labels(pos, box, link)
     want_dist = cKDTree(pos, boxsize=box).query(pos, k=k + 1)[0][:, 1:]
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+""")
+
+FOF_KNN = textwrap.dedent("""
     for dtype, rtol in ((np.float32, 2e-6), (np.float64, 1e-12)):
         x = jax.device_put(pos.astype(dtype), NamedSharding(mesh, P(("x", "y"))))
         labels, _ = jh.fof(x, box, linking_length=link, min_members=2)
@@ -45,7 +44,10 @@ CHILD = textwrap.dedent("""
         dist, _ = jh.knn(x, box, k)
         assert np.asarray(dist).dtype == dtype
         np.testing.assert_allclose(np.asarray(dist), want_dist, rtol=rtol, atol=rtol * box)
+    print("X64 OK")
+""")
 
+SO_INSITU = textwrap.dedent("""
     # SO masses about clump and background points, against a float64 brute force (float64
     # distances once failed in the sort that packs a centre and float32 distance bits).
     centres = pos[[0, 256, 300, 400]]
@@ -73,8 +75,17 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_float32_and_float64_positions_under_x64_equal_the_references():
+def _run_child(body):
     tests = Path(__file__).resolve().parent
-    result = subprocess.run([sys.executable, "-c", CHILD], cwd=tests, capture_output=True,
-                            text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-c", CHILD + body], cwd=tests,
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and "X64 OK" in result.stdout, result.stderr[-4000:]
+
+
+def test_float32_and_float64_positions_under_x64_equal_the_references():
+    _run_child(FOF_KNN)
+
+
+@pytest.mark.leg1  # leg 2 (the newest jax) runs the FoF and kNN part only, for CI's time
+def test_float64_so_masses_and_insitu_equal_the_references():
+    _run_child(SO_INSITU)
