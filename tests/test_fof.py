@@ -142,6 +142,7 @@ def test_jit_takes_mesh_from_traced_input(adversarial):
     assert bool(cat.status.ok)
 
 
+@pytest.mark.leg1
 def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
     rng = np.random.default_rng(3)
     box, n = 8.0, 1024
@@ -345,7 +346,7 @@ def test_bad_arguments_raise(adversarial, kwargs, message):
         jh.fof(pos, BOX, mesh=mesh, **kwargs)
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1)], leg2=[(2, 4)]))
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1)], leg2=[]))
 def test_particle_count_not_divisible_by_the_devices(adversarial, shape):
     """N = 4093 on 8 devices: padded to 4096 inside, the padding takes no part (labels,
     catalogue, the mean separation behind ``b``)."""
@@ -462,7 +463,7 @@ def test_local_api_inside_user_shard_map(adversarial):
     np.testing.assert_array_equal(got, want_cat["id"])
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1), (1, 1)], leg2=[(2, 4), (1, 1)]))
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1), (1, 1)], leg2=[(1, 1)]))
 def test_groups_reaching_half_the_box_are_flagged_percolating(shape):
     """A chain spanning the whole box along x and a diagonal chain reaching 0.6 L along y
     percolate or reach past L / 2; a chain of 0.4 L and compact clumps do not. The flag is

@@ -76,8 +76,8 @@ def test_wrap_is_exact_for_far_images_and_unchanged_in_the_box(jit):
     np.testing.assert_array_equal(np.asarray(grid), np.full(3, BOX / nc, np.float32))
 
 
-@pytest.mark.parametrize("shape", [(2, 4), pytest.param(None, marks=pytest.mark.leg1)],
-                         ids=["mesh2x4", "single"])
+@pytest.mark.leg1
+@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
 def test_far_images_give_scipys_groups_and_neighbours(shape):
     given, true = _far_layout()
     mesh = None if shape is None else make_mesh(shape)
@@ -140,7 +140,8 @@ def _without(pos, bad, link, box=BOX):
     return want
 
 
-@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param(None, marks=pytest.mark.leg1)],
+                         ids=["mesh2x4", "single"])
 def test_excluded_rows_have_label_minus_one_under_jit(shape):
     """Row 0 is the first member of a 31-member group: its label 0 is a real group id."""
     _, true = _far_layout()
@@ -338,6 +339,7 @@ def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
     np.testing.assert_allclose(rho[keep], np.asarray(want_rho), rtol=1e-6)
 
 
+@pytest.mark.leg1
 def test_padded_particles_raise_rather_than_count_their_padding():
     """The public calls take every row as a particle: padding rows (id -1, zero positions)
     would be counted as particles at the origin, so padded Particles raise."""

@@ -287,6 +287,7 @@ def _absolute_state(nc=8, factor=2, seed=0):
     (dict(paint_absolute_pos=True, pm_nc=32), "looks like absolute positions in cells of a grid of about 16"),
     (dict(pm_nc=16), "pm_nc = 16 differs from the lattice's nc = 8"),
 ])
+@pytest.mark.leg1
 def test_state_that_contradicts_the_mode(kwargs, match):
     y = _absolute_state()  # nc = 8, positions in cells of a 16^3 grid
     with pytest.raises(ValueError, match=match):
