@@ -26,6 +26,8 @@ from ._retry import run_growing
 from ._status import is_traced, refuse_nonfinite_points
 
 int32 = jnp.int32
+# The particle fields a reduce fn sees in data (query points carry only "pos").
+_ROW_FIELDS = ("pos", "id", "mass", "vel")
 
 
 class _Spec(NamedTuple):
@@ -54,9 +56,10 @@ def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
     try:
         value = spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)
     except KeyError as error:
-        # Query points carry only their positions: name the fields there are.
+        # Query points carry only their positions: name the fields there are. A key that
+        # is no row field is the user's own lookup, left as it was.
         key = error.args[0] if error.args else None
-        if not isinstance(key, str) or key in data:
+        if key not in _ROW_FIELDS or key in data:
             raise
         raise KeyError(f"knn's reduce fn asked data for {key!r}; data holds "
                        f"{sorted(data)}") from error
@@ -101,7 +104,7 @@ def self_step(plan: Plan, spec: _Spec) -> Step:
     def run(decomposition):
         nb, status, total_mass = _neighbours(plan, decomposition, spec)
         payload = decomposition.migrated.payload
-        data = {key: payload[key] for key in ("pos", "id", "mass", "vel") if key in payload}
+        data = {key: payload[key] for key in _ROW_FIELDS if key in payload}
         return {"values": _finish(plan, spec, nb, payload["pos"], data, total_mass),
                 "status": status}
 

@@ -396,7 +396,8 @@ def test_memory_follows_particles_not_box_over_linking_length(box, link):
     assert temp < 1000 * N, f"{temp / N:.0f} bytes of temporaries per particle"
 
 
-@pytest.mark.parametrize("shape, case", [((2, 4), 1), pytest.param((8, 1), 0, marks=pytest.mark.leg1)])
+@pytest.mark.parametrize("shape, case",
+                         [((2, 4), 1), pytest.param((8, 1), 0, marks=pytest.mark.leg1)])
 def test_labels_match_scipy_at_tiny_linking_length(shape, case):
     box, link = TINY_LINK_CASES[case]
     pos = next(pos for (pos,) in (_clumps_at_tiny_link(seed, box, link) for seed in range(20))

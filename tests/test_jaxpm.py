@@ -13,7 +13,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpm_halos import Particles, from_jaxpm
 
 
-
 def lattice(nc):
     return np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), axis=-1)
 

@@ -401,6 +401,10 @@ def test_reduce_hook_returns_only_per_particle_values(clustered):
                                        r"\['neighbour_mass', 'pos'\]"):
         jh.knn(_shard(mesh, clustered), BOX, k, query=clustered[:16],
                reduce=lambda d, i, x: {"m": x["mass"]})
+    # A KeyError of the fn's own (not a row field) comes back as it was raised.
+    with pytest.raises(KeyError) as error:
+        jh.knn(_shard(mesh, clustered), BOX, k, reduce=lambda d, i, x: {"m": {}["weights"]})
+    assert error.value.args == ("weights",)
 
 
 def test_gradients_equal_the_analytic_gradient_with_the_neighbours_held_fixed():
