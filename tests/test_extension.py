@@ -577,7 +577,7 @@ def test_state_sharded_over_the_wrong_axes(spec):
 # Capacities
 
 
-@pytest.mark.leg1
+@pytest.mark.slow
 @NEEDS_KNN
 def test_overflow_of_fofs_own_ghost_layer_names_a_setting_that_fits():
     """kNN widens the shared ghost layer, and FoF rebuilds a narrow one of its own. A clump

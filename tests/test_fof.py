@@ -119,7 +119,7 @@ def _poisson_near_percolation(seed):
     return (rng.uniform(0, BOX, (N, 3)).astype(np.float32),)
 
 
-@pytest.mark.parametrize("shape", mesh_params([(1, 8), (8, 1), (2, 4), (4, 2)]))
+@pytest.mark.parametrize("shape", mesh_params([(1, 8), (8, 1), (2, 4), (4, 2)], leg2=[]))
 def test_percolating_group_spans_all_domains(shape):
     link = 0.9 * BOX / N ** (1 / 3)
     (pos,) = _tie_free(_poisson_near_percolation, link)
@@ -215,8 +215,9 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("knob", ["transfer_factor", "capacity_factor", "ghost_factor",
-                                  "image_factor", "max_halos"])
+@pytest.mark.parametrize("knob", ["capacity_factor", "ghost_factor"] + [
+    pytest.param(knob, marks=pytest.mark.slow)
+    for knob in ("transfer_factor", "image_factor", "max_halos")])
 def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
     pos, _, _, want_labels, _ = adversarial
     mesh = make_mesh((2, 4))
@@ -247,7 +248,7 @@ def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
     assert bool(cat.status.ok)
 
 
-@pytest.mark.leg1
+@pytest.mark.slow
 def test_suggestions_applied_as_written_keep_earlier_fixes(adversarial):
     """Several knobs too small at once: each error's suggestion is the whole config with the
     overflowing knob fixed, so pasting it as written converges (it used to name the knob
@@ -306,6 +307,7 @@ def test_inside_jit_the_overflow_is_a_flag(adversarial):
     assert int(cat.status.needed["halos"]) > 2
 
 
+@pytest.mark.leg1
 def test_non_finite_positions_are_reported_and_excluded(adversarial):
     pos, _, _, _, _ = adversarial
     bad = pos.copy()
@@ -346,7 +348,8 @@ def test_bad_arguments_raise(adversarial, kwargs, message):
         jh.fof(pos, BOX, mesh=mesh, **kwargs)
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1)], leg2=[]))
+@pytest.mark.leg1
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param((8, 1), marks=pytest.mark.slow)])
 def test_particle_count_not_divisible_by_the_devices(adversarial, shape):
     """N = 4093 on 8 devices: padded to 4096 inside, the padding takes no part (labels,
     catalogue, the mean separation behind ``b``)."""
@@ -396,8 +399,8 @@ def test_memory_follows_particles_not_box_over_linking_length(box, link):
     assert temp < 1000 * N, f"{temp / N:.0f} bytes of temporaries per particle"
 
 
-@pytest.mark.parametrize("shape, case",
-                         [((2, 4), 1), pytest.param((8, 1), 0, marks=pytest.mark.leg1)])
+@pytest.mark.leg1
+@pytest.mark.parametrize("shape, case", [((2, 4), 1), ((8, 1), 0)])
 def test_labels_match_scipy_at_tiny_linking_length(shape, case):
     box, link = TINY_LINK_CASES[case]
     pos = next(pos for (pos,) in (_clumps_at_tiny_link(seed, box, link) for seed in range(20))
@@ -464,7 +467,7 @@ def test_local_api_inside_user_shard_map(adversarial):
     np.testing.assert_array_equal(got, want_cat["id"])
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1), (1, 1)], leg2=[(1, 1)]))
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1), (1, 1)], leg2=[]))
 def test_groups_reaching_half_the_box_are_flagged_percolating(shape):
     """A chain spanning the whole box along x and a diagonal chain reaching 0.6 L along y
     percolate or reach past L / 2; a chain of 0.4 L and compact clumps do not. The flag is

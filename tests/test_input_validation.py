@@ -105,7 +105,8 @@ def _half(dtype):
     return half, (pos32, vel32, mass32), sharded
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float16,
+                                   pytest.param(jnp.bfloat16, marks=pytest.mark.leg1)])
 def test_half_precision_fof_is_computed_in_float32(dtype):
     """float16 / bfloat16 positions, velocities and masses give scipy's groups and numpy's
     catalogue of their float32 values, in float32."""
@@ -122,6 +123,7 @@ def test_half_precision_fof_is_computed_in_float32(dtype):
     np.testing.assert_allclose(got["radius"], want_cat["radius"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.leg1
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_half_precision_knn_is_computed_in_float32(dtype):
     _, (pos32, _, _), sharded = _half(dtype)
@@ -159,6 +161,7 @@ def test_excluded_rows_have_label_minus_one_under_jit(shape):
         jh.fof(x, BOX, LINK, min_members=20, mesh=mesh)
 
 
+@pytest.mark.leg1
 def test_excluded_rows_have_label_minus_one_in_situ_under_jit():
     nc, box = 8, 8.0
     rng = np.random.default_rng(4)
@@ -313,7 +316,8 @@ def test_bad_masses_raise_outside_jit(mass):
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["mesh2x4", "single"])
 def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
     true, mass, bad = _bad_masses()
     mesh = None if shape is None else make_mesh(shape)

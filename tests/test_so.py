@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos as jh
-from conftest import make_mesh, mesh_params, requires
+from conftest import make_mesh, requires
 from reference import so_reference
 from jaxpm_halos import units
 
@@ -301,7 +301,9 @@ def planted():
     return pos, spots, np.asarray(jh.knn_density(pos, BOX, 8, mesh=make_mesh((1, 1))))
 
 
-@pytest.mark.parametrize("shape", mesh_params([(1, 8), (4, 2), (1, 1)], leg2=[(1, 8)]),
+@pytest.mark.leg1
+@pytest.mark.parametrize("shape", [(1, 8)] + [pytest.param(s, marks=pytest.mark.slow)
+                                   for s in ((4, 2), (1, 1))],
                          ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     mesh = make_mesh(shape)
@@ -332,7 +334,7 @@ def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     assert np.all(got["m200"] >= got["m1000"]) and np.all(got["m200"] > 12)
 
 
-@pytest.mark.leg1
+@pytest.mark.slow
 def test_peak_gradient_is_the_densest_members_and_so_gradients_are_zero(planted):
     """d peak / d positions is the identity on the densest member (the choice held fixed)
     and zero elsewhere; SO masses have zero gradients with respect to positions and
