@@ -130,7 +130,6 @@ def test_k(clustered, k):
     _check_exact(clustered, BOX, k, dist, idx)
 
 
-@pytest.mark.optimised  # bits against `unsharded`, compiled in that part
 @pytest.mark.leg1
 def test_gpu_settings_give_the_same_neighbours(clustered, unsharded, monkeypatch):
     """The settings picked on a GPU (1024 batches per step, 4096 per planning step, merge
