@@ -13,12 +13,15 @@ from jax.sharding import AxisType  # noqa: E402
 MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]
 
 
-def mesh_params(shapes, leg2=((8, 1), (2, 4), (1, 1))):
-    """``shapes`` as pytest parameters, those not in ``leg2`` marked ``leg1``: .ci/run's
-    leg 2 (the newest jax) runs a mesh-parametrised test on a mesh with an axis of size 1
-    (its own code path), on (2, 4) and on one device, or on the fewer meshes a test names;
-    leg 1 checks the invariance over every mesh."""
-    return [s if s in leg2 else pytest.param(s, marks=pytest.mark.leg1) for s in shapes]
+LEG2_MESHES = ((8, 1), (2, 4), (1, 1))
+
+
+def mesh_params(shapes):
+    """``shapes`` as pytest parameters, those not in ``LEG2_MESHES`` marked ``leg1``:
+    .ci/run's leg 2 (the newest jax) runs a mesh-parametrised test on a mesh with an axis
+    of size 1 (its own code path), on (2, 4) and on one device; leg 1 checks the invariance
+    over every mesh."""
+    return [s if s in LEG2_MESHES else pytest.param(s, marks=pytest.mark.leg1) for s in shapes]
 
 
 # The JaxPM stack (pinned in pyproject.toml) is optional for the core package: without it,

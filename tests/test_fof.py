@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos as jh
 import reference as ref
-from conftest import make_mesh, mesh_params
+from conftest import make_mesh
 
 BOX = 16.0
 N = 4096
@@ -119,7 +119,8 @@ def _poisson_near_percolation(seed):
     return (rng.uniform(0, BOX, (N, 3)).astype(np.float32),)
 
 
-@pytest.mark.parametrize("shape", mesh_params([(1, 8), (8, 1), (2, 4), (4, 2)], leg2=[]))
+@pytest.mark.leg1
+@pytest.mark.parametrize("shape", [(1, 8), (8, 1), (2, 4), (4, 2)])
 def test_percolating_group_spans_all_domains(shape):
     link = 0.9 * BOX / N ** (1 / 3)
     (pos,) = _tie_free(_poisson_near_percolation, link)
@@ -215,9 +216,8 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("knob", ["capacity_factor", "ghost_factor"] + [
-    pytest.param(knob, marks=pytest.mark.slow)
-    for knob in ("transfer_factor", "image_factor", "max_halos")])
+@pytest.mark.parametrize("knob", ["capacity_factor", "ghost_factor", "image_factor"] + [
+    pytest.param(knob, marks=pytest.mark.slow) for knob in ("transfer_factor", "max_halos")])
 def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
     pos, _, _, want_labels, _ = adversarial
     mesh = make_mesh((2, 4))
@@ -467,7 +467,8 @@ def test_local_api_inside_user_shard_map(adversarial):
     np.testing.assert_array_equal(got, want_cat["id"])
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (8, 1), (1, 1)], leg2=[]))
+@pytest.mark.leg1
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1), (1, 1)])
 def test_groups_reaching_half_the_box_are_flagged_percolating(shape):
     """A chain spanning the whole box along x and a diagonal chain reaching 0.6 L along y
     percolate or reach past L / 2; a chain of 0.4 L and compact clumps do not. The flag is

@@ -344,7 +344,7 @@ def test_query_points(clustered):
 
 
 @pytest.mark.leg1
-def test_overdensity_of_equal_masses_is_the_same_bits_on_every_mesh(clustered):
+def test_overdensity_of_equal_masses_is_the_same_bits_on_three_meshes(clustered):
     """The mean density of equal masses is N m with N counted exactly: a float sum of the
     masses would round differently on different meshes (and differ from InSitu's)."""
     m = np.float32(7.3)
@@ -546,7 +546,7 @@ def test_non_finite_positions_are_reported_and_excluded(clustered):
     assert not np.isin(idx[keep], [7, 9]).any()
 
 
-@pytest.mark.leg1
+@pytest.mark.slow
 def test_capacity_overflow_names_the_knob(clustered):
     mesh = make_mesh((2, 4))
     config = jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=1.0))
@@ -558,7 +558,7 @@ def test_capacity_overflow_names_the_knob(clustered):
     _check_exact(clustered, BOX, 8, dist, idx)
 
 
-@pytest.mark.slow
+@pytest.mark.leg1
 def test_index_overflow_names_the_knob_and_grows(clustered):
     # The index keeps only the valid rows of the padded exchange buffers, at most
     # index_factor * n0 of them: a factor below what a device holds must be reported.
