@@ -142,8 +142,8 @@ def _without(pos, bad, link, box=BOX):
     return want
 
 
-@pytest.mark.parametrize("shape", [(2, 4), pytest.param(None, marks=pytest.mark.leg1)],
-                         ids=["mesh2x4", "single"])
+@pytest.mark.leg1
+@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
 def test_excluded_rows_have_label_minus_one_under_jit(shape):
     """Row 0 is the first member of a 31-member group: its label 0 is a real group id."""
     _, true = _far_layout()
@@ -251,6 +251,7 @@ def test_insitu_refuses_a_scale_factor_that_is_not_positive_and_finite(a):
         jh.InSitu(box_size=16.0, analyses=("fof",))(y, a)
 
 
+@pytest.mark.leg1
 def test_insitu_takes_an_integer_state_as_float32():
     """Integer displacements stack particles on lattice points: groups of coincident
     particles, as scipy finds them."""
