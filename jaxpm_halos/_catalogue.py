@@ -36,8 +36,9 @@ CATALOGUE_FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "
 
 
 INSITU_UNITS = {
-    "id": "smallest particle id in the group: the lattice index (ix * nc + iy) * nc + iz "
-          "on a JaxPM grid, the input row for flat positions", "count": "particles",
+    "id": "smallest particle id in the group: the Particles' own ids when given, else the "
+          "C-order input row (the lattice index (ix * nc + iy) * nc + iz on a JaxPM grid)",
+    "count": "particles",
     "mass": "Msun/h", "pos": "Mpc/h", "vel": "km/s", "vel_disp": "km/s", "radius": "Mpc/h",
     "percolates": "flag: spans half the box or more along some axis", "box_size": "Mpc/h", "linking_length": "Mpc/h",
     "peak": "Mpc/h",

@@ -665,7 +665,6 @@ def test_every_analysis_status_covers_the_shared_decomposition():
             check(part, insitu)
     with pytest.warns(jaxpm_halos.GrowthWarning):
         grown = insitu(y, 1.0)
-    # (against cKDTree, not knn_density: one kNN program less to compile)
     pos = np.asarray(from_jaxpm(y, box_size=box).pos, np.float64).reshape(-1, 3)
     r_k = cKDTree(pos, boxsize=box).query(pos, k=8 + 1)[0][:, -1]
     want = (8 - 1) / (4 / 3 * np.pi * r_k ** 3)  # unit masses
