@@ -1,34 +1,7 @@
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-def _share_compiled_programs():
-    """A compilation cache for this run only, unless the caller names one.
-
-    The suite's time is mostly XLA compilation, and many tests compile the same program
-    (the same analysis on the same mesh and shapes in another test, or after
-    ``clear_caches`` between modules); JAX's persistent cache, keyed by the program, its
-    compile options and the XLA flags, hands back the executable compiled the first time.
-    Made by the first process to import this file, before it imports jax: pytest-xdist's
-    controller, whose workers inherit its environment and so share the directory; removed
-    when that process ends.
-    """
-    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
-        return
-    directory = tempfile.mkdtemp(prefix="jaxpm_halos_tests_xla_")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
-    # cheap programs too: a test file compiles hundreds of them
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    import atexit
-
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-
-
-_share_compiled_programs()
 
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
