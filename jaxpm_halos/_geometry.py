@@ -64,6 +64,12 @@ def periodic_delta(a, b, box_size):
 
 
 def periodic_distance2(a, b, box_size):
-    """Squared minimum-image distance between rows of ``a`` and ``b`` (..., 3) -> (...)."""
+    """Squared minimum-image distance between rows of ``a`` and ``b`` (..., 3) -> (...).
+
+    The sum of products can be contracted into fused multiply-adds, and XLA:CPU does so at
+    its default level. Bitwise identity between programs (meshes, in situ against offline)
+    therefore rests on XLA compiling this alike in each of them (benchmarks/RESULTS.md,
+    2026-11-27, later).
+    """
     d = periodic_delta(a, b, box_size)
     return d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1] + d[..., 2] * d[..., 2]

@@ -33,7 +33,8 @@ The search is split in rooms, each with one job:
   the merge is exact).
 
 Every distance is computed by :func:`._geometry.periodic_distance2` from canonical wrapped
-coordinates, so distances are bitwise identical on every mesh. Every merge keeps the
+coordinates, so distances are bitwise identical on every mesh (as long as XLA compiles
+that function alike in every program; see its docstring). Every merge keeps the
 smallest (distance, id) (:func:`._knn_scan.merge_nearest`), so the ids chosen do not depend
 on the order a device scans its candidates in, and are the same on every mesh too. Self
 exclusion keeps k + 1 neighbours and drops the query's own id. Neighbour selection runs on
