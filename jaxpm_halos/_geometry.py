@@ -68,7 +68,8 @@ def periodic_distance2(a, b, box_size):
 
     The sum of products can be contracted into fused multiply-adds, and XLA:CPU does so at
     its default level. Bitwise identity between programs (meshes, in situ against offline)
-    therefore rests on XLA compiling this alike in each of them (benchmarks/RESULTS.md,
+    therefore rests on XLA compiling this, and its column form
+    :func:`._knn_scan.distance2_columns`, alike in each of them (benchmarks/RESULTS.md,
     2026-11-27, later).
     """
     d = periodic_delta(a, b, box_size)
