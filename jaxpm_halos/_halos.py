@@ -212,6 +212,9 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
     l = float(linking_length) if b is None else float(b) * problem.mean_separation
     if not l > 0 or l != l:
         raise ValueError(f"the linking length must be positive, got {l}")
+    # The box's own limit first: fewer devices cannot help there.
+    if 3 * l > problem.box_size:
+        raise ValueError(f"linking length {l} must be below a third of the box {problem.box_size}")
     wx, wy = problem.pencils.widths
     if ghost_width(l, problem.box_size) > min(wx, wy):
         raise ValueError(f"linking length {l} needs a ghost layer of "
@@ -219,8 +222,6 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
                          f"rounding), wider than a pencil ({min(wx, wy)}) of the "
                          f"({problem.pencils.px}, {problem.pencils.py}) mesh; use fewer devices "
                          "along that axis")
-    if 3 * l > problem.box_size:
-        raise ValueError(f"linking length {l} must be below a third of the box {problem.box_size}")
     return l
 
 
