@@ -47,6 +47,14 @@ class Particles:
 
         ``id`` defaults to the C-order row index and ``num`` to all rows. Rows at or after
         ``num`` are turned into padding.
+
+        Given ids must be integers in ``[0, 2**31 - 2]`` with the positions' leading shape
+        (-1 marks padding and ``2**31 - 1`` "no id" inside the kernels), and unique: FoF
+        labels a group by its smallest id. Outside ``jit`` other ids raise ``ValueError``,
+        and so do repeated ones given as a host (numpy) array; ids already on devices are
+        not checked for repeats, which would take a global sort. Inside ``jit`` they are
+        cast to int32 unchecked. Relabel others with
+        ``np.unique(ids, return_inverse=True)`` and map the results back.
         """
         box_size = _check_box_size(box_size)
         pos = jnp.asarray(pos)
@@ -58,6 +66,8 @@ class Particles:
         size = int(jnp.size(pos) // 3)
         if id is None:
             id = jnp.arange(size, dtype=jnp.int32).reshape(shape)
+        else:
+            id = _checked_ids(id, shape, size if num is None else num)
         dense = num is None
         particles = cls(wrap(pos, box_size), jnp.asarray(id, jnp.int32),
                         jnp.asarray(size if dense else num, jnp.int32),
@@ -91,6 +101,38 @@ class Particles:
             mass = jnp.where(valid, mass, 0)
         return dataclasses.replace(self, pos=zero(self.pos), vel=zero(self.vel),
                                    id=jnp.where(valid, self.id, -1), mass=mass)
+
+
+ID_MAX = int(np.iinfo(np.int32).max) - 1  # the int32 maximum marks "no id" in the kernels
+
+
+def _checked_ids(id, shape, num):
+    """Ids refused unless integers of ``shape`` whose first ``num`` rows (the valid ones)
+    lie in ``[0, ID_MAX]``, and unique when given on the host (see ``Particles.create``)."""
+    if isinstance(id, jax.core.Tracer):
+        return id
+    on_host = not isinstance(id, jax.Array)
+    ids = np.asarray(id) if on_host else id
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"particle ids must be integers, got dtype {ids.dtype}")
+    if tuple(ids.shape) != tuple(shape):
+        raise ValueError(f"particle ids must have the positions' leading shape {shape}, "
+                         f"got {ids.shape}")
+    rows = ids.reshape(-1)
+    if not isinstance(num, jax.core.Tracer):
+        rows = rows[:max(int(num), 0)]
+    if rows.size == 0:
+        return ids
+    lo, hi = int(rows.min()), int(rows.max())
+    if lo < 0 or hi > ID_MAX:
+        raise ValueError(f"particle ids must lie in [0, {ID_MAX}] (int32; -1 marks padding), "
+                         f"got ids from {lo} to {hi}. Relabel them, e.g. "
+                         "np.unique(ids, return_inverse=True), and map the results back")
+    if on_host and np.unique(rows).size < rows.size:
+        raise ValueError("particle ids must be unique (FoF labels a group by its smallest "
+                         "id), but some repeat. Relabel them, e.g. "
+                         "np.unique(ids, return_inverse=True)[1] gives unique row ids")
+    return ids
 
 
 def _check_box_size(box_size) -> float:

@@ -344,6 +344,38 @@ def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
     np.testing.assert_allclose(rho[keep], np.asarray(want_rho), rtol=1e-6)
 
 
+@pytest.mark.parametrize("ids, message", [
+    (np.arange(64, dtype=np.int64) * 2**32, r"must lie in \[0, 2147483646\].* from 0 to 270582939648"),
+    (np.arange(64) - 1, r"from -1 to 62"),
+    (np.arange(64) + (2**31 - 64), r"from 2147483584 to 2147483647"),
+    (jnp.arange(64, dtype=jnp.int32) - 5, r"from -5 to 58"),
+    (np.arange(64) // 2, r"must be unique"),
+    (np.arange(64.0), r"must be integers"),
+    (np.arange(63), r"leading shape \(64,\)"),
+])
+def test_ids_that_would_be_wrapped_or_read_as_markers_are_refused(ids, message):
+    """int32 would wrap 64-bit ids (distinct particles sharing an id merge their groups);
+    -1 and the int32 maximum are the kernels' markers; repeated ids share a label."""
+    pos = np.random.default_rng(4).uniform(0, 10.0, (64, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match=message):
+        jh.Particles.create(pos, 10.0, id=ids)
+
+
+def test_given_ids_label_the_groups_and_padding_ids_are_not_checked():
+    rng = np.random.default_rng(5)
+    pos = np.concatenate([rng.normal(2.0, 0.05, (30, 3)), rng.normal(7.0, 0.05, (30, 3)),
+                          rng.uniform(0, 10.0, (4, 3))]).astype(np.float32)
+    ids = 10 * rng.permutation(64) + 3
+    _, cat = jh.fof(jh.Particles.create(pos, 10.0, id=ids), linking_length=0.5,
+                    min_members=20)
+    got = cat.to_numpy()
+    assert sorted(got["id"]) == sorted([ids[:30].min(), ids[30:60].min()])
+    np.testing.assert_array_equal(got["count"], [30, 30])
+    # Rows at or after num become padding: their ids are not the caller's.
+    padded = jh.Particles.create(pos, 10.0, id=np.concatenate([ids[:60], [-7] * 4]), num=60)
+    np.testing.assert_array_equal(np.asarray(padded.id)[60:], -1)
+
+
 @pytest.mark.leg1
 def test_padded_particles_raise_rather_than_count_their_padding():
     """The public calls take every row as a particle: padding rows (id -1, zero positions)
