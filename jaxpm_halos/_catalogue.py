@@ -75,6 +75,9 @@ class Catalogue:
       vel: (…, 3) mass-weighted mean velocity (units of the input velocities), or None.
       vel_disp: 1D velocity dispersion ``sqrt(<|v - vmean|^2> / 3)``, or None.
       radius: rms distance of the members from the centre of mass.
+        ``pos``, ``vel``, ``vel_disp`` and ``radius`` are mass-weighted: for a group whose
+        members are all massless (``mass == 0``) they are NaN, and so are SO values
+        about its ``pos``.
       percolates: the members span at least half the box along some axis (measured as the
         spread of their minimum-image offsets from the group's first particle). Such a
         group has no well-defined periodic centre: its ``pos`` and ``radius`` are then the
@@ -234,15 +237,18 @@ def _combine(rows, n, box, min_members, halo_rows):
     # (H, 3) extent along each axis, with every piece placed at its anchor's offset.
     extent = (jax.ops.segment_max(delta + rows["hi"], seg, num_segments=halo_rows)
               - jax.ops.segment_min(delta + rows["lo"], seg, num_segments=halo_rows))
+    # A group of massless members has no mass-weighted centre, velocity or radius (0 / 0).
+    undefined = lambda a: jnp.where((mass > 0).reshape((-1,) + (1,) * (a.ndim - 1)), a,
+                                    jnp.nan)
     fields = {"id": jax.ops.segment_max(jnp.where(valid, label, -1), seg, num_segments=halo_rows),
-              "count": count, "mass": mass, "pos": wrap(ref + com, box),
-              "radius": jnp.sqrt(jnp.maximum(q / safe, 0)),
+              "count": count, "mass": mass, "pos": undefined(wrap(ref + com, box)),
+              "radius": undefined(jnp.sqrt(jnp.maximum(q / safe, 0))),
               "percolates": jnp.any(extent >= box / 2, axis=1)}
     if "v" in rows:
         vmean = total(rows["v"]) / safe[:, None]
         w = total(rows["w"]) / safe
-        fields["vel"] = vmean
-        fields["vel_disp"] = jnp.sqrt(jnp.maximum(w - jnp.sum(vmean * vmean, 1), 0) / 3)
+        fields["vel"] = undefined(vmean)
+        fields["vel_disp"] = undefined(jnp.sqrt(jnp.maximum(w - jnp.sum(vmean * vmean, 1), 0) / 3))
     if "peak_pos" in rows:
         densest = valid & _highest(rows["peak_density"], rows["peak_id"], seg, halo_rows)
         fields["peak"] = jnp.zeros((halo_rows, 3), rows["peak_pos"].dtype).at[

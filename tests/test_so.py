@@ -388,3 +388,26 @@ def test_fof_so_definitions_about_the_centre_of_mass():
             jh.fof(pos, box, b=0.2, mass=mass, so=("200c",), omega_m=0.3)
     with pytest.raises(ValueError, match="centre"):
         jh.fof(pos, box, b=0.2, centre="middle")
+
+
+def test_a_group_of_massless_members_has_nan_centre_and_so_values():
+    """Masses of 0 are allowed; a group whose members are all massless has no
+    mass-weighted centre, velocity or radius (0 / 0): NaN, not its first member's
+    position and zeros. SO about that NaN centre is NaN too, not M = R = 0; the other
+    group's values are the plain numpy ones."""
+    rng = np.random.default_rng(6)
+    pos = np.concatenate([rng.normal(4.0, 0.1, (30, 3)), rng.normal(11.0, 0.1, (30, 3)),
+                          rng.uniform(0, BOX, (452, 3))]).astype(np.float32) % BOX
+    vel = rng.normal(0, 100, pos.shape).astype(np.float32)
+    mass = np.ones(len(pos), np.float32)
+    mass[:30] = 0
+    _, cat = jh.fof(pos, BOX, 0.4, vel=vel, mass=mass, min_members=20, so={"200": 200.0})
+    assert bool(cat.status.ok)
+    got = cat.to_numpy()
+    assert list(got["id"]) == [0, 30] and list(got["mass"]) == [0, 30]
+    for name in ("pos", "vel", "vel_disp", "radius", "m200", "r200"):
+        assert np.all(np.isnan(got[name][0])), name
+        assert np.all(np.isfinite(got[name][1])), name
+    np.testing.assert_allclose(got["pos"][1], pos[30:60].mean(0), rtol=1e-5)
+    np.testing.assert_allclose(got["vel"][1], vel[30:60].mean(0), rtol=1e-4, atol=1e-3)
+    assert got["m200"][1] >= 20  # the clump's core, over 200 times the mean density
