@@ -53,7 +53,7 @@ class Particles:
         labels a group by its smallest id. Outside ``jit`` other ids raise ``ValueError``,
         and so do repeated ones given as a host (numpy) array; ids already on devices are
         not checked for repeats, which would take a global sort. Inside ``jit`` they are
-        cast to int32 unchecked. Relabel others with
+        cast to int32 unchecked. Relabel unique ids with
         ``np.unique(ids, return_inverse=True)`` and map the results back.
         """
         box_size = _check_box_size(box_size)
@@ -130,8 +130,8 @@ def _checked_ids(id, shape, num):
                          "np.unique(ids, return_inverse=True), and map the results back")
     if on_host and np.unique(rows).size < rows.size:
         raise ValueError("particle ids must be unique (FoF labels a group by its smallest "
-                         "id), but some repeat. Relabel them, e.g. "
-                         "np.unique(ids, return_inverse=True)[1] gives unique row ids")
+                         "id), but some repeat. Leave id out to number the rows, or pass "
+                         "id=np.arange(len(ids)) and keep your ids beside them")
     return ids
 
 
