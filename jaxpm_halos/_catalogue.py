@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._cells import sort_rows
-from ._domain import pmax_all, route, route_needs, selection
+from ._domain import common_mass, pmax_all, route, route_needs, selection
 from ._geometry import periodic_delta, wrap
 from ._layout import Pencils
 from ._status import Status
@@ -70,7 +70,9 @@ class Catalogue:
     Attributes:
       id: group label, the smallest particle id in the group.
       count: number of members.
-      mass: total mass (units of the input masses; 1 per particle by default).
+      mass: total mass (units of the input masses; 1 per particle by default). When every
+        particle has the same mass ``m`` (JaxPM's do), ``count * m`` in one rounding, the
+        same bits on every mesh; otherwise a float sum, whose rounding depends on the mesh.
       pos: (…, 3) periodic centre of mass, wrapped into ``[0, L)``.
       vel: (…, 3) mass-weighted mean velocity (units of the input velocities), or None.
       vel_disp: 1D velocity dispersion ``sqrt(<|v - vmean|^2> / 3)``, or None.
@@ -188,7 +190,8 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     need_pair, need_routed = route_needs(pencils, *home(jnp.where(report, label, 0)), report)
     routed, n_routed = route(pencils, payload, jnp.arange(halo_rows) < n_rows,
                              lambda p: home(p["label"]), halo_rows, halo_rows, halo_rows)
-    fields, num = _combine(routed, n_routed, box, min_members, halo_rows)
+    fields, num = _combine(routed, n_routed, box, min_members, halo_rows,
+                           common_mass(pencils, mass, owned))
     # Once the routed rows fit, the halos (at most one per routed row) fit too.
     need = jnp.maximum(pmax_all(pencils, n_rows), jnp.maximum(need_pair, need_routed))
     return fields, num, need
@@ -214,8 +217,9 @@ def _peaks(members, density, ids, pos, group, segments: int):
             "peak_pos": put(pos, 0)}
 
 
-def _combine(rows, n, box, min_members, halo_rows):
-    """Combine partial rows of the same label into catalogue rows (sorted by label)."""
+def _combine(rows, n, box, min_members, halo_rows, common):
+    """Combine partial rows of the same label into catalogue rows (sorted by label).
+    ``common``: :func:`~._domain.common_mass` of the particles."""
     valid = jnp.arange(halo_rows) < n
     _, order = sort_rows(jnp.where(valid, rows["label"], _BIG))
     rows = jax.tree.map(lambda a: a[order], rows)
@@ -240,8 +244,14 @@ def _combine(rows, n, box, min_members, halo_rows):
     # A group of massless members has no mass-weighted centre, velocity or radius (0 / 0).
     undefined = lambda a: jnp.where((mass > 0).reshape((-1,) + (1,) * (a.ndim - 1)), a,
                                     jnp.nan)
+    # Equal masses: the reported mass is count * m, the same bits on every mesh, with the
+    # sum's derivative (each member's mass counts once). |exact - mass| is a few ulps, so
+    # the difference is exact and mass + difference is exactly count * m.
+    equal, each = common
+    exact = count.astype(mass.dtype) * each.astype(mass.dtype)
+    reported = mass + jax.lax.stop_gradient(jnp.where(equal, exact - mass, 0))
     fields = {"id": jax.ops.segment_max(jnp.where(valid, label, -1), seg, num_segments=halo_rows),
-              "count": count, "mass": mass, "pos": undefined(wrap(ref + com, box)),
+              "count": count, "mass": reported, "pos": undefined(wrap(ref + com, box)),
               "radius": undefined(jnp.sqrt(jnp.maximum(q / safe, 0))),
               "percolates": jnp.any(extent >= box / 2, axis=1)}
     if "v" in rows:

@@ -77,6 +77,17 @@ def psum_all(pencils: Pencils, value):
     return _over_all_devices(lax.psum, pencils, value)
 
 
+def common_mass(pencils: Pencils, mass, valid):
+    """``(equal, m)``: whether every valid row on every device has the same mass ``m``
+    (JaxPM's particles do). Sums of equal masses are then ``count * m``, one rounding,
+    the same on every mesh; a float sum rounds in an order that depends on the mesh.
+    Outside autodiff: it chooses a value, not a derivative."""
+    m = lax.stop_gradient(mass)
+    heaviest = pmax_all(pencils, jnp.max(jnp.where(valid, m, -jnp.inf)))
+    lightest = pmin_all(pencils, jnp.min(jnp.where(valid, m, jnp.inf)))
+    return heaviest == lightest, heaviest
+
+
 # ----------------------------------------------------------------------------------------
 # All-to-all routing
 

@@ -24,7 +24,10 @@ Per device (inside ``shard_map``):
    ``r_l``). Centres left after the last level are reported through the status (NaN).
 
 Every centre is handled by exactly one device; results are summed over devices, so they
-are replicated and the same on every mesh up to the order of float additions.
+are replicated. When every particle has the same mass ``m``, the mass within a radius is
+the particles counted times ``m`` (one rounding), so given the same centres the results are
+the same bits on every mesh; unequal masses are summed in an order that depends on the
+mesh.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from . import _control as control
 from ._cells import CellGrid, _x64, column_start, search_columns, sort_columns, z_order
 from ._config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
-from ._domain import Decomposition, pmax_all, psum_all, selection
+from ._domain import Decomposition, common_mass, pmax_all, psum_all, selection
 from ._fof import ghost_width as fof_ghost_width, z_images
 from ._frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
 from ._geometry import periodic_distance2, wrap
@@ -193,9 +196,10 @@ def _by_centre_and_distance(centre, d2, mass):
                 lax.bitcast_convert_type(low, d2.dtype), mass)
 
 
-def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, heaviest,
+def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, common,
            box: float, pairs: int) -> _Batch:
-    """Profiles of the ``batch`` centres from their candidates (at most ``pairs``)."""
+    """Profiles of the ``batch`` centres from their candidates (at most ``pairs``);
+    ``common`` is :func:`~._domain.common_mass` of the particles."""
     h = centres.shape[0]
     lengths = jnp.where(batch[:, None], ends - starts, 0).reshape(-1)  # (H * 25,)
     cum = jnp.cumsum(lengths, dtype=int32)
@@ -211,7 +215,12 @@ def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, h
     inside = key < h
     m = jnp.where(inside, m, 0)
     first = inside & jnp.concatenate([jnp.ones(1, bool), key[1:] != key[:-1]])
-    within = _segment_cumsum(m, first)  # (P,) mass of the i nearest
+    # Equal masses are counted and the count scaled once: the same bits on every mesh (a
+    # running float sum rounds differently where the pairs sit elsewhere in the buffer).
+    equal, heaviest = common
+    heaviest = jnp.maximum(heaviest, 0).astype(m.dtype)
+    weight, scale = jnp.where(equal, inside.astype(m.dtype), m), jnp.where(equal, heaviest, 1)
+    within = _segment_cumsum(weight, first) * scale  # (P,) mass of the i nearest
     before = jnp.where(first, 0, jnp.concatenate([jnp.zeros(1, m.dtype), within[:-1]]))
     r = jnp.sqrt(d2)
     volume = _FOUR_THIRDS_PI * r * r * r
@@ -219,7 +228,7 @@ def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, h
     position = jnp.where(below, t[:, None], pairs)
     crossing = jax.ops.segment_min(position, key, num_segments=h + 1)[:h]  # (H, D)
     found = crossing < pairs
-    total = jax.ops.segment_sum(m, key, num_segments=h + 1)[:h]  # (H,)
+    total = jax.ops.segment_sum(weight, key, num_segments=h + 1)[:h] * scale  # (H,)
     mass = jnp.where(found, before[jnp.minimum(crossing, pairs - 1)], total[:, None])
     # The next particle lies beyond the radius: it is below when even the heaviest one
     # added to the mass within the radius stays under the threshold mass there.
@@ -228,7 +237,7 @@ def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, h
     return _Batch(mass, found)
 
 
-def _level(frame: _Frame, centres, pending, density, radius: float, heaviest, box: float,
+def _level(frame: _Frame, centres, pending, density, radius: float, common, box: float,
            pairs: int, mass):
     """One search radius for the ``pending`` centres, in batches that fit ``pairs``.
 
@@ -252,9 +261,9 @@ def _level(frame: _Frame, centres, pending, density, radius: float, heaviest, bo
         result = control.cond(
             jnp.max(jnp.where(batch, cum, 0)) <= small,
             lambda: _batch(frame, cols, starts, ends, batch, centres, density, radius,
-                           heaviest, box, small),
+                           common, box, small),
             lambda: _batch(frame, cols, starts, ends, batch, centres, density, radius,
-                           heaviest, box, pairs))
+                           common, box, pairs))
         resolved = batch & jnp.all(result.found, axis=1)
         mass = jnp.where(resolved[:, None], result.mass, mass)
         return todo & ~batch, mass, done | resolved
@@ -285,7 +294,7 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     # loops (dynamic trip counts), which it cannot differentiate.
     mass, density = jax.lax.stop_gradient((mass, density))
     frame, need_images = _frame(plan, decomposition, mass)
-    heaviest = pmax_all(pencils, jnp.max(jnp.where(migrated.valid, mass, 0)))
+    common = common_mass(pencils, mass, migrated.valid)
     centres = wrap(jax.lax.stop_gradient(centres), box)
     i, j = pencils.block_of(centres)
     ci, cj = pencils.coords()
@@ -301,7 +310,7 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     pending, need_pairs = jnp.arange(rows) < need_centres, jnp.int32(0)
     for level in range(config.levels):
         r = radius / 2 ** (config.levels - 1 - level)
-        result, done, need = _level(frame, local, pending, density, r, heaviest, box, pairs,
+        result, done, need = _level(frame, local, pending, density, r, common, box, pairs,
                                     result)
         pending, need_pairs = pending & ~done, jnp.maximum(need_pairs, need)
     result = jnp.where(pending[:, None], jnp.nan, result)
@@ -401,8 +410,10 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
     the first ``i`` with ``M_i / (4/3 pi r_i^3) < density`` (the first downcrossing), and
     ``M = M_{i*-1}``, ``R = (3 M / (4 pi density))^(1/3)``, which lies in
     ``[r_{i*-1}, r_{i*})``. ``M = R = 0`` when the nearest particle is already below.
-    Particles at exactly the same distance are taken in the sort's order, which can
-    differ between meshes: with unequal masses, a crossing among them can then differ too.
+    With equal masses the mass within a radius is the particles counted times their mass
+    (one rounding): the same bits on every mesh. Unequal masses are summed in an order that
+    depends on the mesh, and particles at exactly the same distance are taken in the
+    sort's order, which can differ between meshes, so a crossing among them can differ.
 
     Args:
       pos: every input form :func:`~jaxpm_halos.fof` accepts (``(N, 3)`` positions,

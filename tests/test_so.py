@@ -80,14 +80,46 @@ def reference():
     return so_reference(POS, CENTRES, BOX, DENSITIES, 1.0, KNIFE)
 
 
+M_P = np.float32(7.3)  # not a power of two: float sums of it round
+IMAGES = jh.FoFConfig(domain=jh.DomainConfig(image_factor=2.5))  # clumps sit on z = 0 and L
+
+
+def _counted(mass, particle_mass=M_P):
+    """Whether every mass is exactly float32(count) * particle_mass, one rounding (so the
+    same on every mesh), as equal masses are summed; a running float sum is not."""
+    mass = np.asarray(mass, np.float32)
+    count = np.rint(mass / particle_mass).astype(np.float32)
+    return np.array_equal(mass, count * np.float32(particle_mass))
+
+
 def test_exact_on_every_mesh(mesh, reference):
     x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(mesh.axis_names)))
-    radius, mass, status = jh.spherical_overdensity(x, CENTRES, box_size=BOX,
-                                                    density=DENSITIES, with_status=True)
+    radius, mass, status = jh.spherical_overdensity(x, CENTRES, box_size=BOX, mass=M_P,
+                                                    density=DENSITIES * M_P, with_status=True)
     assert bool(status.ok)
-    _check(radius, mass, reference, DENSITIES)
+    _check(radius, np.asarray(mass) / M_P, reference, DENSITIES)
+    assert _counted(mass)
     # The clumps are resolved: non-trivial masses well beyond FoF's ghost layer.
-    assert np.asarray(mass)[0, 0] > 400 and np.asarray(radius)[0, 0] > 0.5
+    assert np.asarray(mass)[0, 0] > 400 * M_P and np.asarray(radius)[0, 0] > 0.5
+
+
+def test_equal_masses_are_counted_in_the_catalogue_and_so_the_same_on_every_mesh():
+    """FoF masses and SO masses of equal particle masses are count * m, the same bits
+    on every mesh; per-row masses that happen to be equal are counted too."""
+    got = []
+    for shape, mass in (((1, 1), M_P), ((2, 4), np.full(N, M_P))):
+        sharding = NamedSharding(make_mesh(shape), P(("x", "y")))
+        if np.ndim(mass):
+            mass = jax.device_put(mass, sharding)
+        _, cat = jh.fof(jax.device_put(POS, sharding), BOX, 0.15, mass=mass, min_members=20,
+                        so={"500": 500 * float(M_P) * RHO_MEAN}, config=IMAGES)
+        got.append(cat.to_numpy())
+    one, mesh = got
+    assert len(one["id"]) >= 6
+    np.testing.assert_array_equal(one["mass"], one["count"].astype(np.float32) * M_P)
+    assert _counted(one["m500"])
+    for name in ("id", "count", "mass", "m500", "r500"):
+        np.testing.assert_array_equal(mesh[name], one[name], err_msg=name)
 
 
 def test_scalar_threshold_unsharded_any_n_and_masses():
