@@ -311,10 +311,8 @@ class InSitu:
                            else tuple(self.analyses))
         for name in self.analyses:
             analysis(name)
-        _check_positive("box_size", self.box_size)
-        _check_positive("b", self.b)
-        if self.omega_m is not None:
-            _check_positive("omega_m", self.omega_m)
+        for name in ("box_size", "b") + (("omega_m",) if self.omega_m is not None else ()):
+            object.__setattr__(self, name, _positive(name, getattr(self, name)))
         object.__setattr__(self, "min_members",
                            _check_integer("InSitu(min_members=...): min_members",
                                           self.min_members, 1))
@@ -377,6 +375,8 @@ class InSitu:
             _check_linking_length(bound, problem.pencils)
         # Velocities are momenta over a: a = 0, NaN or -1 gave NaN or flipped velocities.
         a = jnp.asarray(a, y.dtype)
+        if a.size != 1:
+            raise ValueError(f"a must be one scale factor, got an array of shape {a.shape}")
         check_scale_factor(a)  # in the state's precision: 1e-50 is 0 in float32
         run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype),
                                        _generation[0])(y, a)
@@ -394,8 +394,8 @@ class InSitu:
 
         ``ts`` must be finite and in the solve's direction (increasing from ``t0`` to
         ``t1``, decreasing for a backward solve). Pass the solve's ``t0`` and ``t1`` to have
-        times outside them or against the solve's direction rejected here (without both,
-        either order is taken): diffrax checks them only inside the solve, and on a mesh
+        times outside them or against the solve's direction rejected here (pass both or
+        neither; without them, either order is taken): diffrax checks them only inside the solve, and on a mesh
         its check fails on one device while the others wait in a collective, which aborts
         the process.
         Outputs come back stacked over snapshots; check them with :func:`check`.
@@ -407,7 +407,10 @@ class InSitu:
             raise ValueError(f"snapshot times must be one time or a 1-D sequence, got shape "
                              f"{ts.shape}")
         ts = ts.reshape(-1)
-        known = t0 is not None and t1 is not None
+        if (t0 is None) != (t1 is None):
+            raise ValueError(f"pass both of the solve's t0 and t1 (to check the snapshot times "
+                             f"against them), or neither; got t0={t0}, t1={t1}")
+        known = t0 is not None
         lo, hi = (min(t0, t1), max(t0, t1)) if known else (-np.inf, np.inf)
         if ts.size == 0 or not np.all(np.isfinite(ts) & (ts >= lo) & (ts <= hi)):
             raise ValueError(f"snapshot times {ts.tolist()} must be non-empty, finite and lie "
@@ -422,10 +425,20 @@ class InSitu:
         return diffrax.SaveAt(ts=jnp.asarray(ts), fn=lambda t, y, args: self(y, t))
 
 
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
-            or not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"InSitu({name}={value!r}): {name} must be positive and finite")
+def _positive(name: str, value) -> float:
+    """``value`` (a concrete JAX or numpy scalar as a float: the config is hashed),
+    refused unless a positive finite number."""
+    number = not isinstance(value, (bool, np.bool_, str)) and np.ndim(value) == 0 \
+        and not isinstance(value, jax.core.Tracer)
+    if number and not isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            number = False
+    if not (number and value > 0 and math.isfinite(value)):
+        raise ValueError(f"InSitu({name}={value!r}): {name} must be positive and finite "
+                         "(a Python, numpy or concrete JAX scalar)")
+    return value
 
 
 def _check_linking_length(insitu: "InSitu", pencils: Pencils) -> None:

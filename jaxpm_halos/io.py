@@ -398,10 +398,10 @@ class LoadedCatalogue:
 def load_catalogue(path) -> LoadedCatalogue:
     """Read a file written by :func:`write_catalogue`.
 
-    Raises ValueError, naming the problem, for a file that is not a catalogue, lacks a
-    dataset of :data:`REQUIRED`, a group or a dataset of a definition in its
+    Raises ValueError, naming the problem, for an HDF5 file that is not a catalogue, lacks
+    a dataset of :data:`REQUIRED`, a group or a dataset of a definition in its
     ``so_definitions``, has datasets whose rows disagree, or whose ``num_halos`` is not
-    their row count.
+    their row count; h5py's OSError for a path that is missing or not HDF5 at all.
     """
     import h5py
 

@@ -550,6 +550,9 @@ def test_snapshot_times_out_of_order_are_refused():
         insitu.saveat((0.5, float("nan")))
     with pytest.raises(ValueError, match=r"1-D sequence, got shape \(2, 1\)"):  # not flattened
         insitu.saveat([[0.5], [1.0]])
+    for bound in (dict(t0=0.1), dict(t1=1.0)):  # one bound alone would check nothing
+        with pytest.raises(ValueError, match="pass both of the solve's t0 and t1"):
+            insitu.saveat((0.05, 1.5), **bound)
     assert insitu.saveat(1.0, t0=0.1, t1=1.0).subs.ts.shape == (1,)  # one time
     insitu.saveat((1.0, 0.5), t0=1.0, t1=0.1)  # a backward solve
     insitu.saveat((1.0, 0.5))
@@ -562,6 +565,12 @@ def test_state_of_the_wrong_shape(shape):
     insitu = InSitu(box_size=32.0, analyses=("fof",))
     with pytest.raises(ValueError, match=r"\(2, nc, nc, nc, 3\)"):
         insitu(jnp.zeros(shape, jnp.float32), 1.0)
+
+
+def test_a_batch_of_scale_factors_is_refused():
+    insitu = InSitu(box_size=32.0, analyses=("fof",))
+    with pytest.raises(ValueError, match=r"a must be one scale factor, got .* shape \(2,\)"):
+        insitu(jnp.zeros((2, 16, 16, 16, 3), jnp.float32), np.array([1.0, 1.0]))
 
 
 @pytest.mark.parametrize("spec", [P(None, None, "x", "y"), P("x", "y")])

@@ -225,6 +225,10 @@ def test_insitu_rejects_bad_settings_at_construction(kwargs, message):
         jh.InSitu(box_size=float("inf"))  # was accepted; fof refuses it
     insitu = jh.InSitu(box_size=16.0, min_members=np.int64(7), b=np.float32(0.25))
     assert insitu.min_members == 7 and type(insitu.min_members) is int
+    # Concrete JAX scalars are numbers too, stored as floats (the config is hashed).
+    insitu = jh.InSitu(box_size=jnp.asarray(32.0), b=jnp.asarray(0.25), omega_m=np.float64(0.3))
+    assert (insitu.box_size, insitu.b, insitu.omega_m) == (32.0, 0.25, 0.3)
+    assert type(insitu.box_size) is float and hash(insitu) is not None
 
 
 @pytest.mark.parametrize("b, shape, message", [
