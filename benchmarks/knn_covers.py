@@ -2,8 +2,8 @@
 
 A numpy model (no timing) of two of issue #19's directions, on a JaxPM z = 0 snapshot with
 cKDTree's true k-th neighbour distances ``r_k``, over the whole periodic box (a device
-only adds ghosts to this). Queries whose box ``[q - r_k, q + r_k]`` crosses the box
-boundary are left out (they would need the periodic images).
+only adds ghosts to this). A query whose box ``[q - r_k, q + r_k]`` crosses the boundary of
+a grid's frame is uncertified in that grid (it would need the periodic images).
 
 1. **Windows of consecutive rows in Morton order.** A query's window is the rows within
    ``W`` places of its own in key order. It is exact when it holds every row of the cells

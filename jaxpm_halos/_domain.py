@@ -83,9 +83,10 @@ def common_mass(pencils: Pencils, mass, valid):
     the same on every mesh; a float sum rounds in an order that depends on the mesh.
     Outside autodiff: it chooses a value, not a derivative."""
     m = lax.stop_gradient(mass)
-    heaviest = pmax_all(pencils, jnp.max(jnp.where(valid, m, -jnp.inf)))
-    lightest = pmin_all(pencils, jnp.min(jnp.where(valid, m, jnp.inf)))
-    return heaviest == lightest, heaviest
+    extremes = jnp.stack([jnp.max(jnp.where(valid, m, -jnp.inf)),
+                          jnp.max(jnp.where(valid, -m, -jnp.inf))])
+    heaviest, negated_lightest = pmax_all(pencils, extremes)  # one collective
+    return heaviest == -negated_lightest, heaviest
 
 
 # ----------------------------------------------------------------------------------------

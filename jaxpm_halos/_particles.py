@@ -52,8 +52,8 @@ class Particles:
         (-1 marks padding and ``2**31 - 1`` "no id" inside the kernels), and unique: FoF
         labels a group by its smallest id. Outside ``jit`` other ids raise ``ValueError``,
         and so do repeated ones given as a host (numpy) array; ids already on devices are
-        not checked for repeats, which would take a global sort. Inside ``jit`` they are
-        cast to int32 unchecked. Relabel unique ids with
+        not checked for repeats, which would take a global sort. Inside ``jit`` (or with a
+        traced ``num``) they are cast to int32 unchecked. Relabel unique ids with
         ``np.unique(ids, return_inverse=True)`` and map the results back.
         """
         box_size = _check_box_size(box_size)
@@ -108,7 +108,8 @@ ID_MAX = int(np.iinfo(np.int32).max) - 1  # the int32 maximum marks "no id" in t
 
 def _checked_ids(id, shape, num):
     """Ids refused unless integers of ``shape`` whose first ``num`` rows (the valid ones)
-    lie in ``[0, ID_MAX]``, and unique when given on the host (see ``Particles.create``)."""
+    lie in ``[0, ID_MAX]``, and unique when given on the host (see ``Particles.create``).
+    Traced ids or ``num``, and any inside a trace, are not checked: nothing can raise there."""
     if isinstance(id, jax.core.Tracer):
         return id
     on_host = not isinstance(id, jax.Array)
@@ -118,21 +119,34 @@ def _checked_ids(id, shape, num):
     if tuple(ids.shape) != tuple(shape):
         raise ValueError(f"particle ids must have the positions' leading shape {shape}, "
                          f"got {ids.shape}")
-    rows = ids.reshape(-1)
-    if not isinstance(num, jax.core.Tracer):
-        rows = rows[:max(int(num), 0)]
-    if rows.size == 0:
+    if isinstance(num, jax.core.Tracer) or ids.size == 0:
         return ids
-    lo, hi = int(rows.min()), int(rows.max())
-    if lo < 0 or hi > ID_MAX:
+    if on_host:
+        rows = ids.reshape(-1)[:max(int(num), 0)]
+        lo, hi = (rows.min(), rows.max()) if rows.size else (0, 0)
+    else:
+        lo, hi = _valid_id_range(ids, num)
+        if isinstance(lo, jax.core.Tracer):  # inside a user's trace
+            return ids
+    if int(lo) < 0 or int(hi) > ID_MAX:
         raise ValueError(f"particle ids must lie in [0, {ID_MAX}] (int32; -1 marks padding), "
-                         f"got ids from {lo} to {hi}. Relabel them, e.g. "
+                         f"got ids from {int(lo)} to {int(hi)}. Relabel them, e.g. "
                          "np.unique(ids, return_inverse=True), and map the results back")
     if on_host and np.unique(rows).size < rows.size:
         raise ValueError("particle ids must be unique (FoF labels a group by its smallest "
                          "id), but some repeat. Leave id out to number the rows, or pass "
                          "id=np.arange(len(ids)) and keep your ids beside them")
     return ids
+
+
+@jax.jit
+def _valid_id_range(ids, num):
+    """Smallest and largest of the first ``num`` ids (C order), reduced where the ids are:
+    flattening or slicing a sharded array would copy it onto each device."""
+    valid = jnp.arange(ids.size).reshape(ids.shape) < num
+    limits = jnp.iinfo(ids.dtype)  # no valid row: an empty range, lo > hi
+    return (jnp.min(jnp.where(valid, ids, limits.max)),
+            jnp.max(jnp.where(valid, ids, limits.min)))
 
 
 def _check_box_size(box_size) -> float:

@@ -393,11 +393,11 @@ class InSitu:
         """A ``diffrax.SaveAt(ts=ts, fn=...)`` running the analyses at each time in ``ts``.
 
         ``ts`` must be finite and in the solve's direction (increasing from ``t0`` to
-        ``t1``, decreasing for a backward solve). Pass the solve's ``t0`` and ``t1`` to have
-        times outside them or against the solve's direction rejected here (pass both or
-        neither; without them, either order is taken): diffrax checks them only inside the solve, and on a mesh
-        its check fails on one device while the others wait in a collective, which aborts
-        the process.
+        ``t1``, decreasing for a backward solve). Pass the solve's ``t0`` and ``t1`` (both
+        or neither) to have times outside them or against the solve's direction rejected
+        here; without them, either order is taken. diffrax checks them only inside the
+        solve, and on a mesh its check fails on one device while the others wait in a
+        collective, which aborts the process.
         Outputs come back stacked over snapshots; check them with :func:`check`.
         """
         import diffrax
@@ -428,8 +428,8 @@ class InSitu:
 def _positive(name: str, value) -> float:
     """``value`` (a concrete JAX or numpy scalar as a float: the config is hashed),
     refused unless a positive finite number."""
-    number = not isinstance(value, (bool, np.bool_, str)) and np.ndim(value) == 0 \
-        and not isinstance(value, jax.core.Tracer)
+    number = (not isinstance(value, (bool, str, jax.core.Tracer)) and np.ndim(value) == 0
+              and np.result_type(value).kind in "iuf")  # not booleans or complex numbers
     if number and not isinstance(value, (int, float)):
         try:
             value = float(value)
@@ -447,17 +447,19 @@ def _check_linking_length(insitu: "InSitu", pencils: Pencils) -> None:
     requires."""
     l, box, nc = insitu.linking_length, insitu.box_size, insitu.nc
     narrowest = min(pencils.widths)
+    # ghost_width(l) = l (1 + 1e-5) + 8 eps L must not exceed the pencil side.
+    b_pencil = (narrowest - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5) * nc / box
+    b_pencil = math.floor(b_pencil * 1000) / 1000
+    # The box's own limit first: fewer devices cannot help there.
+    if 3 * l > box:
+        fits = f"b < nc / 3 = {nc / 3:g}" if b_pencil >= nc / 3 else f"b <= {b_pencil}"
+        raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
+                         f"must be below a third of the box {box:g}: use {fits}")
     if fof_ghost_width(l, box) > narrowest:
-        # ghost_width(l) = l (1 + 1e-5) + 8 eps L must not exceed the pencil side.
-        b_max = (narrowest - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5) * nc / box
-        b_max = min(b_max, nc / 3)
         raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
                          f"is wider than a pencil ({narrowest:g}) of the ({pencils.px}, "
-                         f"{pencils.py}) mesh; use b <= {math.floor(b_max * 1000) / 1000} or "
-                         f"fewer devices along that axis")
-    if 3 * l > box:
-        raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
-                         f"must be below a third of the box {box:g}: use b < nc / 3 = {nc / 3:g}")
+                         f"{pencils.py}) mesh; use b <= {b_pencil} or fewer devices along "
+                         "that axis")
 
 
 def _state_array(y):

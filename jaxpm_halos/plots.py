@@ -222,9 +222,10 @@ def _mass_panel(ax, rat, meas, curve_m, curves, labels, reference, point_label, 
 
 
 def _whole_particles(mass, particle_mass):
-    """Masses rounded to whole particles (of equal mass, as in JaxPM). A catalogue sums the
-    particle masses in float32, so a halo of exactly 20 particles can weigh a rounding error
-    less than 20 particles and fall out of a bin or range that starts there."""
+    """Masses rounded to whole particles (of equal mass, as in JaxPM). A catalogue's mass
+    is a float32 (``count * m`` rounded once), so a halo of exactly 20 particles can weigh a
+    rounding error less than 20 particles (in float64) and fall out of a bin or range that
+    starts there."""
     mass = np.asarray(mass, np.float64)
     bad = int(np.count_nonzero(~(np.isfinite(mass) & (mass >= 0))))
     if bad:  # a NaN would silently leave the binning range undefined

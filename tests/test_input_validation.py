@@ -226,14 +226,22 @@ def test_insitu_rejects_bad_settings_at_construction(kwargs, message):
     insitu = jh.InSitu(box_size=16.0, min_members=np.int64(7), b=np.float32(0.25))
     assert insitu.min_members == 7 and type(insitu.min_members) is int
     # Concrete JAX scalars are numbers too, stored as floats (the config is hashed).
-    insitu = jh.InSitu(box_size=jnp.asarray(32.0), b=jnp.asarray(0.25), omega_m=np.float64(0.3))
+    insitu = jh.InSitu(box_size=jnp.asarray(32.0), b=jnp.asarray(0.25),
+                       omega_m=np.float64(0.3))
     assert (insitu.box_size, insitu.b, insitu.omega_m) == (32.0, 0.25, 0.3)
-    assert type(insitu.box_size) is float and hash(insitu) is not None
+    assert type(insitu.box_size) is float
+    hash(insitu)
+    for flag in (jnp.asarray(True), np.array(True), np.complex64(1.0)):  # not lengths
+        with pytest.raises(ValueError, match="box_size must be positive and finite"):
+            jh.InSitu(box_size=flag)
 
 
 @pytest.mark.parametrize("b, shape, message", [
-    (10, (2, 4), r"InSitu\(b=10\): the linking length b \* box_size / nc = 10 is wider than "
-                 r"a pencil \(4\) of the \(2, 4\) mesh; use b <= 3\.999 or fewer devices"),
+    (4.5, (2, 4), r"InSitu\(b=4.5\): the linking length b \* box_size / nc = 4.5 is wider "
+                  r"than a pencil \(4\) of the \(2, 4\) mesh; use b <= 3\.999 or fewer devices"),
+    # Both limits: the box's is named (fewer devices cannot help), with a b that fits both.
+    (10, (2, 4), r"InSitu\(b=10\): the linking length b \* box_size / nc = 10 must be below "
+                 r"a third of the box 16: use b <= 3\.999$"),
     (4.5, (8, 1), r"wider than a pencil \(2\) of the \(8, 1\) mesh; use b <= 1\.999"),
     (6, (1, 1), r"InSitu\(b=6\): the linking length b \* box_size / nc = 6 must be below a "
                 r"third of the box 16: use b < nc / 3 = 5\.33333"),
@@ -349,7 +357,8 @@ def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
 
 
 @pytest.mark.parametrize("ids, message", [
-    (np.arange(64, dtype=np.int64) * 2**32, r"must lie in \[0, 2147483646\].* from 0 to 270582939648"),
+    (np.arange(64, dtype=np.int64) * 2**32,
+     r"must lie in \[0, 2147483646\].* from 0 to 270582939648"),
     (np.arange(64) - 1, r"from -1 to 62"),
     (np.arange(64) + (2**31 - 64), r"from 2147483584 to 2147483647"),
     (jnp.arange(64, dtype=jnp.int32) - 5, r"from -5 to 58"),
@@ -378,6 +387,13 @@ def test_given_ids_label_the_groups_and_padding_ids_are_not_checked():
     # Rows at or after num become padding: their ids are not the caller's.
     padded = jh.Particles.create(pos, 10.0, id=np.concatenate([ids[:60], [-7] * 4]), num=60)
     np.testing.assert_array_equal(np.asarray(padded.id)[60:], -1)
+    # Inside jit nothing is checked (nothing can raise there): device ids made outside, and
+    # padding ids with a traced num, pass through as before.
+    on_device = jnp.asarray(ids)
+    got = jax.jit(lambda p: jh.Particles.create(p, 10.0, id=on_device).id)(pos)
+    np.testing.assert_array_equal(got, ids)
+    got = jax.jit(lambda p, n: jh.Particles.create(p, 10.0, id=padded.id, num=n).id)(pos, 60)
+    np.testing.assert_array_equal(got, np.asarray(padded.id))
 
 
 @pytest.mark.leg1
