@@ -429,7 +429,7 @@ def _positive(name: str, value) -> float:
     """``value`` (a concrete JAX or numpy scalar as a float: the config is hashed),
     refused unless a positive finite number."""
     number = (not isinstance(value, (bool, str, jax.core.Tracer)) and np.ndim(value) == 0
-              and np.result_type(value).kind in "iuf")  # not booleans or complex numbers
+              and np.asarray(value).dtype.kind in "iuf")  # not booleans or complex numbers
     if number and not isinstance(value, (int, float)):
         try:
             value = float(value)
