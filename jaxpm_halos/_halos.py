@@ -99,11 +99,7 @@ def with_so(plan: Plan, decomposition: Decomposition, catalogue, extras: Extras,
     limit = Limit(MAX_HALOS, config.halo_rows(plan.n0))
     mass, radius, status = so_on_decomposition(plan, decomposition, centres, valid, densities,
                                                config.so, extras.so_radius, centre_limit=limit)
-    # A centre of mass of massless members is NaN: no device searches about it, and its
-    # M = R = 0 would read as "below the threshold at once".
-    defined = jnp.all(jnp.isfinite(centre), axis=1)
-    own = lambda a: jnp.where(defined, jax.lax.dynamic_slice_in_dim(a, mine * rows, rows),
-                              jnp.nan)
+    own = lambda a: jax.lax.dynamic_slice_in_dim(a, mine * rows, rows)
     so = {}
     for d, name in enumerate(extras.so):
         so["m" + name], so["r" + name] = own(mass[:, d]), own(radius[:, d])

@@ -282,7 +282,8 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     (D,). Each device searches about the centres in its pencil, compacted into
     ``centre_limit.rows`` rows (buffer "so centres"; default: all H, which cannot
     overflow). Returns ``(mass, radius, status)``, masses and radii (H, D), replicated;
-    0 for invalid centres, NaN where the profile had not fallen below the threshold within
+    0 for invalid centres, NaN for valid but non-finite ones (e.g. the centre of mass of
+    massless members) and where the profile had not fallen below the threshold within
     ``radius``.
     """
     pencils, box = plan.pencils, plan.pencils.box_size
@@ -295,10 +296,11 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     mass, density = jax.lax.stop_gradient((mass, density))
     frame, need_images = _frame(plan, decomposition, mass)
     common = common_mass(pencils, mass, migrated.valid)
+    finite = jnp.all(jnp.isfinite(centres), axis=1)  # (H,)
     centres = wrap(jax.lax.stop_gradient(centres), box)
     i, j = pencils.block_of(centres)
     ci, cj = pencils.coords()
-    mine = centre_valid & jnp.all(jnp.isfinite(centres), axis=1) & (i == ci) & (j == cj)
+    mine = centre_valid & finite & (i == ci) & (j == cj)
     rows = centres.shape[0] if centre_limit is None else centre_limit.rows
     picked, need_centres = selection(mine, rows)  # (C,) indices into the H centres
     local = jnp.take(centres, picked, axis=0, mode="fill", fill_value=0)  # (C, 3)
@@ -316,7 +318,10 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     result = jnp.where(pending[:, None], jnp.nan, result)
     scattered = jnp.zeros((centres.shape[0], density.shape[0]), result.dtype).at[picked].set(
         result, mode="drop")
-    so_mass = psum_all(pencils, scattered)
+    # A non-finite centre is searched by no device: NaN, not M = R = 0, which would read as
+    # "below the threshold at once".
+    so_mass = jnp.where((centre_valid & ~finite)[:, None], jnp.nan,
+                        psum_all(pencils, scattered))
     so_radius = jnp.cbrt(3 * so_mass / (4 * math.pi * density[None, :]))
     unresolved = psum_all(pencils, jnp.sum(pending, dtype=int32))
     status = _status(plan, config, radius, need_images, need_pairs, unresolved)
@@ -389,15 +394,13 @@ def _centres(centres, dtype):
     return c.astype(dtype)
 
 
-def _mark_nonfinite_centres(out: dict, centres) -> dict:
-    """Inside jit a non-finite centre is searched by no device: its M = R = 0 would read as
-    "below the threshold at once", so it is NaN, counted as non-finite."""
+def _count_nonfinite_centres(out: dict, centres) -> dict:
+    """Inside jit a non-finite centre's values are NaN (:func:`so_on_decomposition`); the
+    status counts it as non-finite input."""
     bad = ~jnp.all(jnp.isfinite(centres), axis=1)  # (H,)
     status = out["status"]
-    return {"radius": jnp.where(bad[:, None], jnp.nan, out["radius"]),
-            "mass": jnp.where(bad[:, None], jnp.nan, out["mass"]),
-            "status": dataclasses.replace(status, nonfinite=status.nonfinite
-                                          + jnp.sum(bad, dtype=int32))}
+    return dict(out, status=dataclasses.replace(status, nonfinite=status.nonfinite
+                                                + jnp.sum(bad, dtype=int32)))
 
 
 def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, mesh=None,
@@ -453,7 +456,7 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
         return _so_program(problem, in_specs, cfg, radius)(*args)
 
     if is_traced(args):
-        out = _mark_nonfinite_centres(run(config), centres)
+        out = _count_nonfinite_centres(run(config), centres)
     else:  # _centres refused non-finite centres
         out, _ = run_growing(run, config, lambda o: o["status"].failure(), grow=grow)
     radius, so_mass, status = out["radius"], out["mass"], out["status"]

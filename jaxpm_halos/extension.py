@@ -428,13 +428,10 @@ class InSitu:
 def _positive(name: str, value) -> float:
     """``value`` (a concrete JAX or numpy scalar as a float: the config is hashed),
     refused unless a positive finite number."""
-    number = (not isinstance(value, (bool, str, jax.core.Tracer)) and np.ndim(value) == 0
-              and np.asarray(value).dtype.kind in "iuf")  # not booleans or complex numbers
+    number = (not isinstance(value, jax.core.Tracer) and np.ndim(value) == 0
+              and np.asarray(value).dtype.kind in "iuf")  # not bool, str or complex
     if number and not isinstance(value, (int, float)):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            number = False
+        value = float(value)
     if not (number and value > 0 and math.isfinite(value)):
         raise ValueError(f"InSitu({name}={value!r}): {name} must be positive and finite "
                          "(a Python, numpy or concrete JAX scalar)")
