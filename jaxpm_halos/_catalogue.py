@@ -150,8 +150,9 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     members elsewhere. With a per-row ``density``, each group's density peak (``peak``) is
     found too.
 
-    Returns ``(fields, num, need_rows)``; ``fields`` maps catalogue field names to arrays of
-    ``halo_rows`` rows.
+    Returns ``(fields, num, need_rows, repeated)``; ``fields`` maps catalogue field names
+    to arrays of ``halo_rows`` rows, and ``repeated`` counts this device's groups with more
+    than one member holding the group's label as its id (repeated ids that merged groups).
     """
     box = pencils.box_size
     dtype = pos.dtype
@@ -183,7 +184,10 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     rows, n_rows = selection(report, halo_rows)
     payload = {k: jnp.take(v, rows, axis=0, mode="fill", fill_value=0) for k, v in sums.items()}
     payload["label"] = jnp.take(label, rows, mode="fill", fill_value=0)
-    payload["root"] = jnp.take(first_id == label, rows, mode="fill", fill_value=False)
+    # Members holding the label as id: exactly one per group when ids are unique, so a
+    # combined row with more found groups that a repeated id merged.
+    roots = jnp.where(first_id == label, seg_sum(is_anchor.astype(int32)), 0)
+    payload["root"] = jnp.take(roots, rows, mode="fill", fill_value=0)
     payload["anchor"] = jnp.take(anchor, rows, axis=0, mode="fill", fill_value=0)
 
     ndev = pencils.num_devices
@@ -191,11 +195,12 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     need_pair, need_routed = route_needs(pencils, *home(jnp.where(report, label, 0)), report)
     routed, n_routed = route(pencils, payload, jnp.arange(halo_rows) < n_rows,
                              lambda p: home(p["label"]), halo_rows, halo_rows, halo_rows)
-    fields, num = _combine(routed, n_routed, box, min_members, halo_rows,
-                           common_mass(pencils, mass, owned))
+    fields, num, repeated = _combine(routed, n_routed, box, min_members, halo_rows,
+                                     common_mass(pencils, mass, owned))
     # Once the routed rows fit, the halos (at most one per routed row) fit too.
     need = jnp.maximum(pmax_all(pencils, n_rows), jnp.maximum(need_pair, need_routed))
-    return fields, num, need
+    # Groups dropped here (complete and too small) are counted here, the others at home.
+    return fields, num, need, repeated + jnp.sum((roots > 1) & ~report, dtype=int32)
 
 
 def _highest(value, ids, segment, segments: int):
@@ -220,7 +225,8 @@ def _peaks(members, density, ids, pos, group, segments: int):
 
 def _combine(rows, n, box, min_members, halo_rows, common):
     """Combine partial rows of the same label into catalogue rows (sorted by label).
-    ``common``: :func:`~._domain.common_mass` of the particles."""
+    ``common``: :func:`~._domain.common_mass` of the particles. Also returns the number of
+    labels whose rows hold more than one root member (repeated ids)."""
     valid = jnp.arange(halo_rows) < n
     _, order = sort_rows(jnp.where(valid, rows["label"], _BIG))
     rows = jax.tree.map(lambda a: a[order], rows)
@@ -230,7 +236,8 @@ def _combine(rows, n, box, min_members, halo_rows, common):
     seg = jnp.cumsum(starts, dtype=int32) - 1
     seg = jnp.where(valid, seg, halo_rows)
     total = lambda v: jax.ops.segment_sum(v, seg, num_segments=halo_rows)
-    ref = total(jnp.where(rows["root"][:, None], rows["anchor"], 0))
+    roots = total(rows["root"])
+    ref = total(jnp.where(rows["root"][:, None] > 0, rows["anchor"], 0))
     delta = periodic_delta(rows["anchor"], ref[jnp.minimum(seg, halo_rows - 1)], box)
     mass_row = rows["mass"]
     count = total(rows["count"])
@@ -270,4 +277,4 @@ def _combine(rows, n, box, min_members, halo_rows, common):
     picked, num = selection(keep, halo_rows)
     out = {k: jnp.take(v, picked, axis=0, mode="fill", fill_value=0) for k, v in fields.items()}
     out["id"] = jnp.where(jnp.arange(halo_rows) < num, out["id"], -1)
-    return out, num
+    return out, num, jnp.sum(roots > 1, dtype=int32)

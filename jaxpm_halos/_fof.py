@@ -240,14 +240,15 @@ def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_lengt
     group, has_ghost = _group_by_label(labels, component, segments, is_ghost,
                                        ext.pos.shape[0] - capacity)
     payload = migrated.payload
-    cat, num, need_halos = catalogue_rows(
+    cat, num, need_halos, repeated = catalogue_rows(
         pencils, pos=payload["pos"], vel=payload.get("vel"), mass=payload["mass"],
         ids=payload["id"], owned=migrated.valid, group=group[:capacity],
         segments=segments, labels=labels[:capacity], has_ghost=has_ghost,
         min_members=min_members, halo_rows=halo_rows, density=density)
     status = plan.status({"z images": need_images}, {"z images": IMAGES}).merge(
         Status(pmax_all(pencils, {"halos": need_halos}), jnp.int32(0),
-               (("halos", Limit(MAX_HALOS, halo_rows)),)))
+               (("halos", Limit(MAX_HALOS, halo_rows)),),
+               repeated_ids=psum_all(pencils, repeated)))
     catalogue = Catalogue(id=cat["id"], count=cat["count"], mass=cat["mass"], pos=cat["pos"],
                           vel=cat.get("vel"), vel_disp=cat.get("vel_disp"), radius=cat["radius"],
                           percolates=cat["percolates"], num=num, status=status,

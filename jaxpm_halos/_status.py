@@ -99,6 +99,7 @@ class FailureKind(enum.Enum):
     NONFINITE = "positions or masses that are NaN, inf or unusable (left out inside jit)"
     OVERFLOW = "a fixed-size buffer was too small"
     UNREPLICATED = "an analysis output declared 'replicated' differs between devices"
+    REPEATED_IDS = "particle ids repeat, and groups that share their smallest id were merged"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,8 @@ class Failure:
     Attributes:
       kind: a :class:`FailureKind`.
       count: excluded particles or unusable inputs (NONFINITE), rows the buffer needed per
-        device (OVERFLOW), or outputs that differ between devices (UNREPLICATED).
+        device (OVERFLOW), outputs that differ between devices (UNREPLICATED), or groups
+        holding more than one particle with their smallest id (REPEATED_IDS).
       buffer: the buffer's name (OVERFLOW), the outputs' names (UNREPLICATED), else None.
       limit: its :class:`Limit` (OVERFLOW), else None.
       needed: the rows of this buffer for which every buffer sharing its knob fits (each
@@ -149,6 +151,12 @@ class Failure:
             return (f"jaxpm_halos: {self.count} particle positions (or masses, query points "
                     "or SO centres) are NaN, inf or unusable (inside jit they are left out of "
                     "the results). Clean the input (or mask those rows) and rerun.")
+        if self.kind is FailureKind.REPEATED_IDS:
+            return (f"jaxpm_halos: particle ids repeat: {self.count} FoF groups hold more than "
+                    "one particle with the group's smallest id, and groups that share their "
+                    "smallest id are merged into one catalogue row. Give every particle a unique id in [0, 2**31 - 2] "
+                    "(Particles.create(pos, box_size) numbers the rows; unique 64-bit ids can "
+                    "be relabelled with np.unique(ids, return_inverse=True)) and rerun.")
         if self.kind is FailureKind.UNREPLICATED:
             return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
                     "every device (only one device's value would come back). Reduce it over "
@@ -183,6 +191,7 @@ class Failure:
 
     def error(self, config=None, argument: str = "{}") -> Exception:
         kind = {FailureKind.NONFINITE: InvalidInputError,
+                FailureKind.REPEATED_IDS: InvalidInputError,
                 FailureKind.UNREPLICATED: ValueError}.get(self.kind, CapacityError)
         error = kind(self.message(config, argument))
         error.failure = self
@@ -197,8 +206,9 @@ class CapacityError(RuntimeError):
 
 
 class InvalidInputError(ValueError):
-    """The input holds non-finite positions or is otherwise unusable. ``error.failure`` is
-    a :class:`Failure` of kind ``NONFINITE`` counting the unusable values."""
+    """The input holds non-finite positions, repeated ids or is otherwise unusable.
+    ``error.failure`` is a :class:`Failure` of kind ``NONFINITE`` counting the unusable
+    values, or ``REPEATED_IDS`` counting the groups merged through a repeated id."""
 
     failure: Failure | None = None
 
@@ -233,7 +243,12 @@ class Status:
     result. A status covers every buffer its result depends on, the shared decomposition
     included. ``unreplicated`` (bool, one per name in the static ``replicated``) flags the
     outputs of in-situ user analyses declared ``"replicated"`` that were not the same on
-    every device.
+    every device. ``repeated_ids`` counts FoF groups with more than one particle holding the
+    group's smallest id: ids repeat, and groups that share their smallest id are merged in
+    the catalogue (and share a label). Not seen: a repeated id that is no group's smallest
+    (it changes no result), and a group that shares its smallest id with another but is
+    whole on its device and too small for the catalogue (the two share a label; the
+    catalogue is unaffected).
     """
 
     needed: Mapping[str, jax.Array]
@@ -241,19 +256,22 @@ class Status:
     limits: tuple[tuple[str, Limit], ...] = dataclasses.field(metadata=dict(static=True))
     unreplicated: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((0,), bool))
     replicated: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    repeated_ids: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
 
     @property
     def ok(self) -> jax.Array:
-        """Scalar bool: every buffer fitted, every position was finite and every output
-        declared replicated was the same on every device."""
-        good = (self.nonfinite == 0) & ~jnp.any(self.unreplicated, axis=-1)
+        """Scalar bool: every buffer fitted, every position was finite, no ids repeated in a
+        way that merged groups, and every output declared replicated was the same on every
+        device."""
+        good = ((self.nonfinite == 0) & (self.repeated_ids == 0)
+                & ~jnp.any(self.unreplicated, axis=-1))
         for name, limit in self.limits:
             good = good & (self.needed[name] <= limit.rows)
         return good
 
     def merge(self, other: "Status") -> "Status":
-        """Both statuses' buffers (``self``'s first) and the larger exclusion count. A
-        name in both must be the same buffer (the same limit)."""
+        """Both statuses' buffers (``self``'s first) and the larger exclusion and
+        repeated-id counts. A name in both must be the same buffer (the same limit)."""
         mine = dict(self.limits)
         for name, limit in other.limits:
             if name in mine and mine[name] != limit:
@@ -262,20 +280,26 @@ class Status:
         limits = self.limits + tuple(item for item in other.limits if item[0] not in mine)
         return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite), limits,
                       jnp.concatenate([self.unreplicated, other.unreplicated], axis=-1),
-                      self.replicated + other.replicated)
+                      self.replicated + other.replicated,
+                      jnp.maximum(self.repeated_ids, other.repeated_ids))
 
     def renamed(self, prefix: str) -> "Status":
         """The same status with ``prefix`` before every buffer name (to merge it with a
         status of other buffers of the same names)."""
         return Status({prefix + name: value for name, value in self.needed.items()},
                       self.nonfinite, tuple((prefix + name, limit) for name, limit in self.limits),
-                      self.unreplicated, self.replicated)
+                      self.unreplicated, self.replicated, self.repeated_ids)
 
     def failure(self) -> Failure | None:
         """Host-side: the first failure, or None when all is well."""
         nonfinite = int(np.max(np.asarray(self.nonfinite)))
         if nonfinite:
             return Failure(FailureKind.NONFINITE, nonfinite)
+        # Before any overflow: growing buffers cannot help, and truncated data only drops
+        # rows, so a repeated id seen is one that exists.
+        repeated = int(np.max(np.asarray(self.repeated_ids)))
+        if repeated:
+            return Failure(FailureKind.REPEATED_IDS, repeated)
         needs = {name: int(np.max(np.asarray(self.needed[name]))) for name, _ in self.limits}
         def knob_need(limit: Limit) -> int:
             """Rows of ``limit``'s buffer for which every buffer sharing its knob fits: the
@@ -327,8 +351,8 @@ class Status:
         own class alone (e.g. a ``DomainConfig``, to put inside yours).
         """
         x, status = lax.optimization_barrier((x, self))
-        token = _on_every_device(status, _raise_on_failure(status.limits, status.replicated,
-                                                           config))
+        argument = "{}" if config is None else "config={}"
+        token = _on_every_device(status, lambda concrete: concrete.check(config, argument))
         x, _ = lax.optimization_barrier((x, token))
         return x
 
@@ -342,31 +366,22 @@ class Status:
         self.error_if(self.nonfinite, config)
 
 
-def _raise_on_failure(limits, replicated, config):
-    def check(needed, nonfinite, unreplicated):
-        Status(needed, nonfinite, limits, unreplicated, replicated).check(
-            config, "{}" if config is None else "config={}")
-
-    return check
-
-
 def _on_every_device(status: Status, check):
-    """Run the host ``check(needed, nonfinite, unreplicated)`` on every device of the
-    status's mesh (the status is replicated), returning a token that depends on it. A
+    """Run the host ``check(status)`` (the status with concrete values) on every device of
+    the status's mesh (the status is replicated), returning a token that depends on it. A
     callback on one device only would fail there while the others wait in their next
     collective."""
-    leaves = (dict(status.needed), status.nonfinite, status.unreplicated)
 
-    def local(needed, nonfinite, unreplicated):
-        jax.debug.callback(check, needed, nonfinite, unreplicated)
+    def local(status):
+        jax.debug.callback(check, status)
         return jnp.zeros((1,), jnp.int32)
 
     mesh = _mesh_of(status.nonfinite)
     if mesh is None:
-        return local(*leaves)
+        return local(status)
     axes = tuple(mesh.axis_names)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(axes),
-                         check_vma=False)(*leaves)
+    return jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(axes),
+                         check_vma=False)(status)
 
 
 def _mesh_of(x):

@@ -396,6 +396,32 @@ def test_given_ids_label_the_groups_and_padding_ids_are_not_checked():
     np.testing.assert_array_equal(got, np.asarray(padded.id))
 
 
+@pytest.mark.parametrize("shape", [(2, 4), (1, 1)], ids=["mesh2x4", "mesh1x1"])
+def test_repeated_ids_on_devices_that_merge_groups_fail_the_status(shape):
+    """Ids already on devices are not checked for repeats when made (that would take a
+    global sort); FoF counts the groups holding their smallest id twice: clumps A and B
+    (apart) share it and come back as one catalogue row, and C holds its own twice. A
+    repeated id that is no group's smallest changes nothing and is not counted."""
+    rng = np.random.default_rng(6)
+    pos = np.concatenate([rng.normal(2.0, 0.05, (30, 3)), rng.normal(7.0, 0.05, (30, 3)),
+                          rng.normal([2.0, 7.0, 5.0], 0.05, (25, 3)),
+                          rng.uniform(0, 10.0, (43, 3))]).astype(np.float32)
+    ids = np.arange(128, dtype=np.int32) + 100
+    ids[30], ids[60:85] = ids[0], ids[60:85] - 100
+    ids[70] = ids[60]
+    ids[90] = ids[95]  # background: no group's smallest
+    mesh = make_mesh(shape)
+    rows = NamedSharding(mesh, P(("x", "y")))
+    particles = jh.Particles.create(jax.device_put(pos, rows), 10.0,
+                                    id=jax.device_put(ids, rows))
+    with pytest.raises(jh.InvalidInputError, match=r"particle ids repeat: 2 FoF groups"):
+        jh.fof(particles, linking_length=0.5, min_members=20)
+    status = jax.jit(lambda p: jh.fof(p, linking_length=0.5, min_members=20)[1].status)(
+        particles)
+    assert int(status.repeated_ids) == 2 and not bool(status.ok)
+    assert status.failure() == jh.Failure(jh.FailureKind.REPEATED_IDS, 2)
+
+
 @pytest.mark.leg1
 def test_padded_particles_raise_rather_than_count_their_padding():
     """The public calls take every row as a particle: padding rows (id -1, zero positions)
