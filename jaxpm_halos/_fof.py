@@ -184,9 +184,29 @@ def _group_by_label(labels, component, segments: int, is_ghost, ghost_rows: int)
 # Device kernel and public API
 
 
+_GHOST_MARGIN = (1e-5, 8 * float(np.finfo(np.float32).eps))  # relative to l, to the box
+
+
 def ghost_width(linking_length: float, box_size: float) -> float:
     """Ghost layer for FoF: the linking length plus a margin for float rounding at faces."""
-    return float(linking_length) * (1 + 1e-5) + 8 * float(np.finfo(np.float32).eps) * box_size
+    return float(linking_length) * (1 + _GHOST_MARGIN[0]) + _GHOST_MARGIN[1] * box_size
+
+
+def linking_length_misfit(linking_length: float, pencils: Pencils) -> str | None:
+    """Why FoF cannot link at ``linking_length`` on ``pencils``' mesh, or None:
+    ``"box"`` when it is not below a third of the box (checked first: fewer devices cannot
+    help there), ``"pencil"`` when its ghost layer is wider than the narrowest pencil."""
+    box = pencils.box_size
+    if 3 * linking_length > box:
+        return "box"
+    return "pencil" if ghost_width(linking_length, box) > min(pencils.widths) else None
+
+
+def widest_linking_length(pencils: Pencils) -> float:
+    """The largest linking length whose ghost layer fits the narrowest pencil of
+    ``pencils``' mesh (:func:`ghost_width` inverted)."""
+    box = pencils.box_size
+    return (min(pencils.widths) - _GHOST_MARGIN[1] * box) / (1 + _GHOST_MARGIN[0])
 
 
 def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,

@@ -13,6 +13,7 @@ The catalogue's extras run on the decomposition FoF shares with them:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 import jax
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ._catalogue import CATALOGUE_FIELDS
 from ._config import MAX_HALOS, DomainConfig, FoFConfig, KNNConfig
 from ._domain import Decomposition, psum_all
-from ._fof import fof_step, ghost_width
+from ._fof import fof_step, ghost_width, linking_length_misfit, widest_linking_length
 from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache, row_masses,
                         trim_padding)
 from ._knn import ghost_width as knn_width
@@ -205,6 +206,8 @@ def check_centre(centre: str) -> str:
     if centre not in CENTRES:
         raise ValueError(f"centre must be one of {CENTRES}, got {centre!r}")
     return centre
+
+
 def _linking_length(problem: Problem, linking_length, b) -> float:
     if (linking_length is None) == (b is None):
         raise ValueError("give exactly one of linking_length (a length) or b (in units of the "
@@ -212,16 +215,19 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
     l = float(linking_length) if b is None else float(b) * problem.mean_separation
     if not l > 0 or l != l:
         raise ValueError(f"the linking length must be positive, got {l}")
-    # The box's own limit first: fewer devices cannot help there.
-    if 3 * l > problem.box_size:
-        raise ValueError(f"linking length {l} must be below a third of the box {problem.box_size}")
-    wx, wy = problem.pencils.widths
-    if ghost_width(l, problem.box_size) > min(wx, wy):
+    pencils, box = problem.pencils, problem.box_size
+    misfit = linking_length_misfit(l, pencils)
+    widest = math.floor(widest_linking_length(pencils) * 1e4) / 1e4
+    if misfit == "box":  # with a length that fits the pencils too
+        fits = f"< {box:g} / 3" if widest >= box / 3 else f"<= {widest}"
+        raise ValueError(f"linking length {l} must be below a third of the box {box}: use a "
+                         f"linking length {fits}")
+    if misfit == "pencil":
         raise ValueError(f"linking length {l} needs a ghost layer of "
                          f"{ghost_width(l, problem.box_size):.7g} (a margin for float "
-                         f"rounding), wider than a pencil ({min(wx, wy)}) of the "
-                         f"({problem.pencils.px}, {problem.pencils.py}) mesh; use fewer devices "
-                         "along that axis")
+                         f"rounding), wider than a pencil ({min(pencils.widths)}) of the "
+                         f"({pencils.px}, {pencils.py}) mesh; use a linking length <= {widest} "
+                         "or fewer devices along that axis")
     return l
 
 

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from ._catalogue import insitu_units
 from ._config import DomainConfig, FoFConfig, KNNConfig, SOConfig
 from ._domain import Decomposition
-from ._fof import ghost_width as fof_ghost_width
+from ._fof import linking_length_misfit, widest_linking_length
 from ._halos import Extras, check_centre, halo_step, peak_densities, so_request
 from ._frontend import local_fields, particles_of, prepare, program_cache
 from ._geometry import grid_to_box
@@ -443,20 +443,17 @@ def _check_linking_length(insitu: "InSitu", pencils: Pencils) -> None:
     and the linking length must stay below a third of the box, as :func:`jaxpm_halos.fof`
     requires."""
     l, box, nc = insitu.linking_length, insitu.box_size, insitu.nc
-    narrowest = min(pencils.widths)
-    # ghost_width(l) = l (1 + 1e-5) + 8 eps L must not exceed the pencil side.
-    b_pencil = (narrowest - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5) * nc / box
-    b_pencil = math.floor(b_pencil * 1000) / 1000
-    # The box's own limit first: fewer devices cannot help there.
-    if 3 * l > box:
+    misfit = linking_length_misfit(l, pencils)
+    b_pencil = math.floor(widest_linking_length(pencils) * nc / box * 1000) / 1000
+    if misfit == "box":  # with a b that fits the pencils too
         fits = f"b < nc / 3 = {nc / 3:g}" if b_pencil >= nc / 3 else f"b <= {b_pencil}"
         raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
                          f"must be below a third of the box {box:g}: use {fits}")
-    if fof_ghost_width(l, box) > narrowest:
+    if misfit == "pencil":
         raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
-                         f"is wider than a pencil ({narrowest:g}) of the ({pencils.px}, "
-                         f"{pencils.py}) mesh; use b <= {b_pencil} or fewer devices along "
-                         "that axis")
+                         f"is wider than a pencil ({min(pencils.widths):g}) of the "
+                         f"({pencils.px}, {pencils.py}) mesh; use b <= {b_pencil} or fewer "
+                         "devices along that axis")
 
 
 def _state_array(y):

@@ -331,10 +331,13 @@ def test_non_finite_positions_are_reported_and_excluded(adversarial):
     (dict(linking_length=-1.0), "positive"),
     (dict(linking_length=0.2, min_members=0), "min_members"),
     (dict(linking_length=0.2, b=0.2), "exactly one"),
-    (dict(linking_length=3.0, mesh_shape=(1, 8)), "wider than a pencil"),
+    (dict(linking_length=3.0, mesh_shape=(1, 8)),
+     r"wider than a pencil \(2.0\) of the \(1, 8\) mesh; use a linking length <= 1.9999 "),
     # The box's own limit is named first, where fewer devices cannot help.
-    (dict(linking_length=BOX / 2, mesh_shape=(1, 1)), "must be below a third of the box"),
-    (dict(linking_length=BOX / 2, mesh_shape=(1, 8)), "must be below a third of the box"),
+    (dict(linking_length=BOX / 2, mesh_shape=(1, 1)),
+     r"must be below a third of the box 16.0: use a linking length < 16 / 3$"),
+    (dict(linking_length=BOX / 2, mesh_shape=(1, 8)),  # with a length that fits both
+     r"must be below a third of the box 16.0: use a linking length <= 1.9999$"),
     # A domain nested in the SO or kNN settings (pasted from their own calls' messages) is
     # refused, not ignored: config.domain sizes fof's one decomposition.
     (dict(linking_length=0.2, config=jh.FoFConfig(
