@@ -72,6 +72,9 @@ class Snapshot:
         ``pencils``, ``n0`` mean particles per device, ghost ``width``).
       a: the scale factor (traced scalar).
       insitu: the :class:`InSitu` settings.
+      so_densities: ``(len(insitu.so),)`` threshold densities of ``insitu.so`` at ``a``
+        (:func:`~jaxpm_halos.units.so_density`, comoving (Msun/h) / (Mpc/h)^3), computed
+        as ``fof(so=..., a=...)`` computes them (see :meth:`InSitu.__call__`).
     """
 
     particles: Particles
@@ -79,6 +82,7 @@ class Snapshot:
     plan: Plan
     a: jax.Array
     insitu: "InSitu"
+    so_densities: jax.Array
     memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def shared(self, key: str, compute: Callable[[], Any]):
@@ -195,11 +199,7 @@ def _fof_analysis(snap: Snapshot):
     (Msun/h) and radii (comoving Mpc/h) and density peaks when the InSitu asks."""
     insitu = snap.insitu
     extras = _extras(insitu, snap.pencils)
-    densities = None
-    if extras.so:
-        densities = jnp.stack([jnp.asarray(units.so_density(name, omega_m=insitu.omega_m,
-                                                            a=snap.a), snap.a.dtype)
-                               for name in extras.so])
+    densities = snap.so_densities if extras.so else None
     density = None
     if extras.centre == "peak":
         density = lambda dec: peak_densities(*_knn_density(snap))
@@ -366,7 +366,16 @@ class InSitu:
         grown and the analyses run again (``grow=False``: raise an error naming a setting
         that fits). An integer
         or half-precision state is computed in float32.
+
+        SO thresholds (``so=``) are those of ``fof(so=..., omega_m=..., a=a)``, computed
+        in float64 from ``a`` when it is concrete, and from the time given to
+        :meth:`saveat` when diffrax passes one. A traced ``a`` of your own is computed in
+        the state's precision, which can put a threshold an ulp away.
         """
+        return self._analyse(y, a, grow=grow)
+
+    def _analyse(self, y, a, *, grow: bool = True, times=None):
+        """:meth:`__call__`; ``times``: the save times (float64) a traced ``a`` is one of."""
         y = _state_array(y)
         bound = dataclasses.replace(self, nc=int(y.shape[1]))
         problem = _state_layout(bound, y)
@@ -374,13 +383,14 @@ class InSitu:
         if "fof" in bound.analyses:
             _check_linking_length(bound, problem.pencils)
         # Velocities are momenta over a: a = 0, NaN or -1 gave NaN or flipped velocities.
-        a = jnp.asarray(a, y.dtype)
+        given, a = a, jnp.asarray(a, y.dtype)
         if a.size != 1:
             raise ValueError(f"a must be one scale factor, got an array of shape {a.shape}")
         check_scale_factor(a)  # in the state's precision: 1e-50 is 0 in float32
+        densities = _so_densities(bound, given, a, times)
         run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype),
-                                       _generation[0])(y, a)
-        if is_traced(y, a):
+                                       _generation[0])(y, a, densities)
+        if is_traced(y, a, densities):
             out = run(bound)
         else:
             out, _ = run_growing(run, bound, _first_failure, grow=grow, error=_error,
@@ -422,7 +432,24 @@ class InSitu:
             raise ValueError(f"snapshot times {ts.tolist()} must be sorted in the solve's "
                              f"direction ({order if known else 'one direction'}); pass "
                              f"{sorted(ts.tolist(), reverse=backward)}")
-        return diffrax.SaveAt(ts=jnp.asarray(ts), fn=lambda t, y, args: self(y, t))
+        return diffrax.SaveAt(ts=jnp.asarray(ts),
+                              fn=lambda t, y, args: self._analyse(y, t, times=ts))
+
+
+def _so_densities(insitu: InSitu, given, a, times):
+    """``(D,)`` threshold densities of ``insitu.so`` at the scale factor ``a`` (in its
+    dtype), as ``fof(so=..., a=given)`` computes them: in float64 on the host when ``given``
+    is concrete, and when it is traced but one of the save ``times``, by looking the
+    host's values at those times up (diffrax passes the time traced)."""
+    at = lambda t: [units.so_density(name, omega_m=insitu.omega_m, a=t) for name in insitu.so]
+    if not insitu.so:
+        return jnp.zeros((0,), a.dtype)
+    if not isinstance(given, jax.core.Tracer):
+        return jnp.asarray(np.asarray(at(np.asarray(given).item())), a.dtype)
+    if times is None:
+        return jnp.stack([jnp.asarray(d, a.dtype) for d in at(a)])
+    table = jnp.asarray(np.asarray([at(float(t)) for t in times]), a.dtype)  # (S, D)
+    return table[jnp.argmin(jnp.abs(jnp.asarray(times, a.dtype) - a))]
 
 
 def _positive(name: str, value) -> float:
@@ -540,7 +567,7 @@ def _compiled(insitu: InSitu, problem, dtype, generation: int):
     nc, box, pm_nc = insitu.nc, insitu.box_size, insitu.pm_nc
     mass = units.particle_mass(insitu.omega_m, box, nc) if insitu.omega_m else 1.0
 
-    def device(state, a):
+    def device(state, a, so_densities):
         disp, mom = state[0], state[1]
         if insitu.paint_absolute_pos:
             # absolute positions in PM cells; the block's array indices stay lattice points
@@ -557,7 +584,7 @@ def _compiled(insitu: InSitu, problem, dtype, generation: int):
         def step(an: Analysis) -> Step:
             def run(dec):
                 return an.run(Snapshot(particles_of(dec.migrated, box), dec, plan, a, insitu,
-                                       memo))
+                                       so_densities, memo))
             return Step(run, an.outputs)
 
         steps = {an.name: step(an) for an in selected}
@@ -571,8 +598,8 @@ def _compiled(insitu: InSitu, problem, dtype, generation: int):
 
     state_spec = P(None, *layout.spec, None)
     # pin_to_save_loop: see _saveloop (one save time ran the analyses at every step).
-    return JitProgram(lambda y, a: run_sharded(layout, device, (pin_to_save_loop(y), a),
-                                               (state_spec, P())))
+    return JitProgram(lambda y, a, so_densities: run_sharded(
+        layout, device, (pin_to_save_loop(y), a, so_densities), (state_spec, P(), P())))
 
 
 def _grid_positions(disp, pencils: Pencils, nc: int):

@@ -123,7 +123,10 @@ def so_density(definition: str, *, omega_m, a=1.0):
       definition: ``"200c"``, ``"500c"``, ``"200m"``, ``"vir"`` or any ``"<Delta>c"`` /
         ``"<Delta>m"``.
       omega_m: matter density parameter today.
-      a: scale factor (a number or an array, also traced inside ``jit``).
+      a: scale factor (a number or an array, also traced inside ``jit``). A concrete
+        ``a`` (also a numpy or JAX scalar) is computed in float64, so the threshold is the
+        same whatever its type; a traced one in its own precision, where float32 rounding
+        can put the threshold an ulp away (as can a traced ``omega_m``).
     """
     if not isinstance(definition, str):
         raise ValueError(f"an SO definition is a string such as '200c', got {definition!r}")
@@ -132,6 +135,8 @@ def so_density(definition: str, *, omega_m, a=1.0):
             (np.asarray(omega_m) > 0) & (np.asarray(omega_m) <= 1)):
         raise ValueError(f"omega_m must lie in (0, 1] for flat LCDM, got {omega_m}")
     check_scale_factor(a)
+    a, omega_m = (x if isinstance(x, jax.core.Tracer) else np.asarray(x, np.float64)
+                  for x in (a, omega_m))
     a3 = a * a * a
     critical = RHO_CRIT * (omega_m + (1 - omega_m) * a3)  # rho_c(a) a^3
     if definition == "vir":

@@ -714,3 +714,39 @@ def test_so_settings_are_checked_and_an_so_overflow_names_insitu_fof():
     message = str(_error(failure, insitu))
     assert "InSitu(fof=FoFConfig(max_halos=64, so=SOConfig(radius=8.0" in message
     assert str(_error(failure, None)).count("InSitu(fof=FoFConfig(so=SOConfig(radius=8.0") == 1
+
+
+def _clumpy_state(mesh, nc=16, seed=1):
+    """A lattice state (grid units) with three blocks of 64 particles gathered into clumps,
+    one on a box corner: a few FoF groups to measure SO about."""
+    rng = np.random.default_rng(seed)
+    lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).astype(np.float32)
+    target = lattice.copy()
+    for corner, centre in (((0, 0, 0), (0.1, 0.2, 15.9)), ((6, 2, 8), (7.5, 3.5, 9.5)),
+                           ((10, 10, 2), (12.0, 11.5, 3.5))):
+        block = tuple(slice(c, c + 4) for c in corner)
+        target[block] = np.asarray(centre) + rng.normal(0, 0.25, (4, 4, 4, 3))
+    disp = jnp.asarray(target - lattice)
+    return jax.device_put(jnp.stack([disp, jnp.zeros_like(disp)]), state_sharding(mesh))
+
+
+def test_insitu_so_thresholds_are_fofs_eager_inside_jit_and_at_a_save_time():
+    """SO thresholds depend on a through float arithmetic. Computed in float32 inside the
+    program they came out an ulp away from fof(so=..., a=...)'s float64 ones at a = 0.6
+    (vir and 200c), and so did the radii. Eager, inside jit with a constant a, and in
+    saveat's function (which diffrax gives the save time traced) they now equal fof's."""
+    mesh, box, a = make_mesh((2, 4)), 32.0, 0.6
+    y = _clumpy_state(mesh)
+    so = ("vir", "200c")
+    insitu = InSitu(box_size=box, b=0.2, min_members=20, omega_m=0.3, so=so)
+    particles = from_jaxpm(y, box_size=box, mass=units.particle_mass(0.3, box, 16))
+    _, cat = jaxpm_halos.fof(particles, b=0.2, min_members=20, so=so, omega_m=0.3, a=a)
+    want = cat.to_numpy()
+    assert len(want["id"]) == 3
+    save = insitu.saveat([0.3, a, 1.0]).subs.fn
+    runs = {"eager": insitu(y, a), "jit": jax.jit(lambda y: insitu(y, a))(y),
+            "save time": jax.jit(lambda y, t: save(t, y, None))(y, jnp.float32(a))}
+    for how, out in runs.items():
+        got = gather_catalogue(out["fof"]["catalogue"])
+        for name in ("mvir", "rvir", "m200c", "r200c"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{how}: {name}")
