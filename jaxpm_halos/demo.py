@@ -578,7 +578,7 @@ def switchable_saveat_fn(insitu, snapshots):
     ts = jnp.asarray(snapshots)
 
     def fn(a, y, cosmo, on):
-        run = lambda: insitu(y, a)  # noqa: E731
+        run = lambda: insitu(y, a, times=snapshots)  # noqa: E731
         shapes = jax.eval_shape(run)
         off = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
         return jax.lax.cond(on[jnp.argmin(jnp.abs(ts - a))], run, off)

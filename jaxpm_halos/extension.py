@@ -357,7 +357,7 @@ class InSitu:
             raise ValueError("the grid size is known once a state is given")
         return self.nc
 
-    def __call__(self, y, a=1.0, *, grow: bool = True):
+    def __call__(self, y, a=1.0, *, grow: bool = True, times=None):
         """Run the analyses on a state ``y`` of shape ``(2, nc, nc, nc, 3)`` at scale factor
         ``a``. Returns ``{name: outputs, "a": a, "domain": Status[, "state": y]}``.
 
@@ -368,14 +368,11 @@ class InSitu:
         or half-precision state is computed in float32.
 
         SO thresholds (``so=``) are those of ``fof(so=..., omega_m=..., a=a)``, computed
-        in float64 from ``a`` when it is concrete, and from the time given to
-        :meth:`saveat` when diffrax passes one. A traced ``a`` of your own is computed in
-        the state's precision, which can put a threshold an ulp away.
+        in float64 from ``a`` when it is concrete, and, when ``a`` is traced, from the
+        one of ``times`` (the save times, as given: :meth:`saveat` passes its own) nearest
+        to it. A traced ``a`` without ``times`` is computed in the state's precision,
+        which can put a threshold an ulp away.
         """
-        return self._analyse(y, a, grow=grow)
-
-    def _analyse(self, y, a, *, grow: bool = True, times=None):
-        """:meth:`__call__`; ``times``: the save times (float64) a traced ``a`` is one of."""
         y = _state_array(y)
         bound = dataclasses.replace(self, nc=int(y.shape[1]))
         problem = _state_layout(bound, y)
@@ -387,7 +384,8 @@ class InSitu:
         if a.size != 1:
             raise ValueError(f"a must be one scale factor, got an array of shape {a.shape}")
         check_scale_factor(a)  # in the state's precision: 1e-50 is 0 in float32
-        densities = _so_densities(bound, given, a, times)
+        densities = _so_densities(bound, given, a, None if times is None
+                                  else np.asarray(times, float).reshape(-1))
         run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype),
                                        _generation[0])(y, a, densities)
         if is_traced(y, a, densities):
@@ -433,7 +431,7 @@ class InSitu:
                              f"direction ({order if known else 'one direction'}); pass "
                              f"{sorted(ts.tolist(), reverse=backward)}")
         return diffrax.SaveAt(ts=jnp.asarray(ts),
-                              fn=lambda t, y, args: self._analyse(y, t, times=ts))
+                              fn=lambda t, y, args: self(y, t, times=ts))
 
 
 def _so_densities(insitu: InSitu, given, a, times):
