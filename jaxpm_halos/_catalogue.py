@@ -162,8 +162,7 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     first_id = seg_min(jnp.where(owned, ids, _BIG))
     label = seg_min(jnp.where(owned, labels, _BIG))
     is_anchor = owned & (ids == first_id[group])
-    anchor = jnp.zeros((segments, 3), dtype).at[jnp.where(is_anchor, group, segments)].set(
-        jax.lax.stop_gradient(pos), mode="drop")
+    anchor = _put(jax.lax.stop_gradient(pos), is_anchor, group, segments)
     rel = jnp.where(owned[:, None], periodic_delta(pos, anchor[group], box), 0)
     m = jnp.where(owned, mass, 0).astype(dtype)
     # The members' spread along each axis, to flag groups that reach half the box.
@@ -175,9 +174,13 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
             "hi": jax.ops.segment_max(jnp.where(owned[:, None], spread, -jnp.inf), group,
                                       num_segments=segments)}
     if vel is not None:
-        v = jnp.where(owned[:, None], vel, 0)
+        # About the anchor's velocity, as positions are about its position: moments about
+        # zero cancel catastrophically for a fast group with a small dispersion (|v| sqrt(eps)).
+        anchor_vel = _put(jax.lax.stop_gradient(vel), is_anchor, group, segments)
+        v = jnp.where(owned[:, None], vel - anchor_vel[group], 0)
         sums["v"] = seg_sum(m[:, None] * v)
         sums["w"] = seg_sum(m * jnp.sum(v * v, 1))
+        sums["anchor_vel"] = anchor_vel
     if density is not None:
         sums.update(_peaks(owned & ~jnp.isnan(density), density, ids, pos, group, segments))
     report = (members > 0) & (has_ghost | (members >= min_members))
@@ -201,6 +204,12 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     need = jnp.maximum(pmax_all(pencils, n_rows), jnp.maximum(need_pair, need_routed))
     # Groups dropped here (complete and too small) are counted here, the others at home.
     return fields, num, need, repeated + jnp.sum((roots > 1) & ~report, dtype=int32)
+
+
+def _put(values, rows, group, segments: int):
+    """``(segments, 3)``: each group's value from its row where ``rows`` is set (0 where none)."""
+    return jnp.zeros((segments,) + values.shape[1:], values.dtype).at[
+        jnp.where(rows, group, segments)].set(values, mode="drop")
 
 
 def _highest(value, ids, segment, segments: int):
@@ -236,16 +245,25 @@ def _combine(rows, n, box, min_members, halo_rows, common):
     seg = jnp.cumsum(starts, dtype=int32) - 1
     seg = jnp.where(valid, seg, halo_rows)
     total = lambda v: jax.ops.segment_sum(v, seg, num_segments=halo_rows)
+    at_seg = lambda per_halo: per_halo[jnp.minimum(seg, halo_rows - 1)]
     roots = total(rows["root"])
-    ref = total(jnp.where(rows["root"][:, None] > 0, rows["anchor"], 0))
-    delta = periodic_delta(rows["anchor"], ref[jnp.minimum(seg, halo_rows - 1)], box)
+    # The root row's anchor, the reference every row's sums are moved to.
+    reference = lambda anchors: total(jnp.where(rows["root"][:, None] > 0, anchors, 0))
+    ref = reference(rows["anchor"])
+    delta = periodic_delta(rows["anchor"], at_seg(ref), box)
     mass_row = rows["mass"]
     count = total(rows["count"])
     mass = total(mass_row)
     safe = jnp.where(mass > 0, mass, 1)
-    com = total(mass_row[:, None] * delta + rows["s"]) / safe[:, None]
-    off = delta - com[jnp.minimum(seg, halo_rows - 1)]
-    q = total(rows["q"] + 2 * jnp.sum(off * rows["s"], 1) + mass_row * jnp.sum(off * off, 1))
+
+    def pooled(delta, first, second):
+        """Mass-weighted mean offset from the reference, and the sum of m |x - mean|^2, of
+        rows holding sums of m dx and m |dx|^2 about anchors ``delta`` from it."""
+        mean = total(mass_row[:, None] * delta + first) / safe[:, None]
+        off = delta - at_seg(mean)
+        return mean, total(second + 2 * jnp.sum(off * first, 1) + mass_row * jnp.sum(off * off, 1))
+
+    com, q = pooled(delta, rows["s"], rows["q"])
     # (H, 3) extent along each axis, with every piece placed at its anchor's offset.
     extent = (jax.ops.segment_max(delta + rows["hi"], seg, num_segments=halo_rows)
               - jax.ops.segment_min(delta + rows["lo"], seg, num_segments=halo_rows))
@@ -264,11 +282,10 @@ def _combine(rows, n, box, min_members, halo_rows, common):
               "radius": undefined(jnp.sqrt(jnp.maximum(q / safe, 0))),
               "percolates": jnp.any(extent >= box / 2, axis=1)}
     if "v" in rows:
-        vmean = total(rows["v"]) / safe[:, None]
-        w = total(rows["w"]) / safe
-        fields["vel"] = undefined(vmean)
-        dispersion = jnp.sqrt(jnp.maximum(w - jnp.sum(vmean * vmean, 1), 0) / 3)
-        fields["vel_disp"] = undefined(dispersion)
+        ref_vel = reference(rows["anchor_vel"])
+        relative, w = pooled(rows["anchor_vel"] - at_seg(ref_vel), rows["v"], rows["w"])
+        fields["vel"] = undefined(ref_vel + relative)
+        fields["vel_disp"] = undefined(jnp.sqrt(jnp.maximum(w / safe, 0) / 3))
     if "peak_pos" in rows:
         densest = valid & _highest(rows["peak_density"], rows["peak_id"], seg, halo_rows)
         fields["peak"] = jnp.zeros((halo_rows, 3), rows["peak_pos"].dtype).at[

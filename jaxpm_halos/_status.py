@@ -154,9 +154,10 @@ class Failure:
         if self.kind is FailureKind.REPEATED_IDS:
             return (f"jaxpm_halos: particle ids repeat: {self.count} FoF groups hold more than "
                     "one particle with the group's smallest id, and groups that share their "
-                    "smallest id are merged into one catalogue row. Give every particle a unique id in [0, 2**31 - 2] "
-                    "(Particles.create(pos, box_size) numbers the rows; unique 64-bit ids can "
-                    "be relabelled with np.unique(ids, return_inverse=True)) and rerun.")
+                    "smallest id are merged into one catalogue row. Give every particle a "
+                    "unique id in [0, 2**31 - 2] (Particles.create(pos, box_size) numbers the "
+                    "rows; unique 64-bit ids can be relabelled with np.unique(ids, "
+                    "return_inverse=True)) and rerun.")
         if self.kind is FailureKind.UNREPLICATED:
             return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
                     "every device (only one device's value would come back). Reduce it over "

@@ -355,6 +355,30 @@ def test_bad_arguments_raise(adversarial, kwargs, message):
         jh.fof(pos, BOX, mesh=mesh, **kwargs)
 
 
+@pytest.mark.parametrize("shape", [(2, 4), (1, 1)], ids=["mesh2x4", "mesh1x1"])
+def test_velocity_dispersion_of_a_fast_cold_group(shape):
+    """Velocity moments taken about zero cancelled: a group moving at 1e4 with a
+    dispersion of 3 came back with 5.66 instead of 3.12 (|v| sqrt(eps) of error). They are
+    taken about a member's velocity now. The group sits on a pencil corner of (2, 4), so
+    partial rows from four devices are pooled."""
+    rng = np.random.default_rng(7)
+    centre = np.array([BOX / 2, BOX / 4, 3.0])
+    pos = np.concatenate([centre + rng.normal(0, 0.05, (40, 3)),
+                          rng.uniform(0, BOX, (88, 3))]).astype(np.float32)
+    vel = np.concatenate([np.array([1e4, -7e3, 2e3]) + rng.normal(0, 3.0, (40, 3)),
+                          rng.normal(0, 300.0, (88, 3))]).astype(np.float32)
+    mass = rng.uniform(0.5, 2.0, 128).astype(np.float32)
+    x, v, m = _shard(make_mesh(shape), pos, vel, mass)
+    _, cat = jh.fof(x, BOX, 0.3, vel=v, mass=m, min_members=20)
+    got = cat.to_numpy()
+    np.testing.assert_array_equal(got["count"], [40])
+    v, m = vel[:40].astype(np.float64), mass[:40].astype(np.float64)
+    mean = (m[:, None] * v).sum(0) / m.sum()
+    dispersion = np.sqrt((m * ((v - mean) ** 2).sum(1)).sum() / m.sum() / 3)
+    np.testing.assert_allclose(got["vel"][0], mean, rtol=1e-6)
+    np.testing.assert_allclose(got["vel_disp"][0], dispersion, rtol=1e-5)
+
+
 @pytest.mark.leg1
 @pytest.mark.parametrize("shape", [(2, 4), pytest.param((8, 1), marks=pytest.mark.slow)])
 def test_particle_count_not_divisible_by_the_devices(adversarial, shape):
