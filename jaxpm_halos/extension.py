@@ -369,9 +369,9 @@ class InSitu:
 
         SO thresholds (``so=``) are those of ``fof(so=..., omega_m=..., a=a)``, computed
         in float64 from ``a`` when it is concrete, and, when ``a`` is traced, from the
-        one of ``times`` (the save times, as given: :meth:`saveat` passes its own) nearest
-        to it. A traced ``a`` without ``times`` is computed in the state's precision,
-        which can put a threshold an ulp away.
+        one of ``times`` (the save times, as given: :meth:`saveat` passes its own) that
+        it equals in the state's precision. A traced ``a`` that is none of them is computed
+        in the state's precision, which can put a threshold an ulp away.
         """
         y = _state_array(y)
         bound = dataclasses.replace(self, nc=int(y.shape[1]))
@@ -438,16 +438,20 @@ def _so_densities(insitu: InSitu, given, a, times):
     """``(D,)`` threshold densities of ``insitu.so`` at the scale factor ``a`` (in its
     dtype), as ``fof(so=..., a=given)`` computes them: in float64 on the host when ``given``
     is concrete, and when it is traced but one of the save ``times``, by looking the
-    host's values at those times up (diffrax passes the time traced)."""
+    host's values at those times up (diffrax passes the time traced); else in ``a``'s
+    precision."""
     at = lambda t: [units.so_density(name, omega_m=insitu.omega_m, a=t) for name in insitu.so]
     if not insitu.so:
         return jnp.zeros((0,), a.dtype)
     if not isinstance(given, jax.core.Tracer):
         return jnp.asarray(np.asarray(at(np.asarray(given).item())), a.dtype)
+    traced = jnp.stack([jnp.asarray(d, a.dtype) for d in at(a)])
     if times is None:
-        return jnp.stack([jnp.asarray(d, a.dtype) for d in at(a)])
+        return traced
     table = jnp.asarray(np.asarray([at(float(t)) for t in times]), a.dtype)  # (S, D)
-    return table[jnp.argmin(jnp.abs(jnp.asarray(times, a.dtype) - a))]
+    saved = jnp.asarray(times, a.dtype)  # (S,) as diffrax holds them
+    nearest = jnp.argmin(jnp.abs(saved - a))
+    return jnp.where(saved[nearest] == a, table[nearest], traced)
 
 
 def _positive(name: str, value) -> float:

@@ -750,3 +750,11 @@ def test_insitu_so_thresholds_are_fofs_eager_inside_jit_and_at_a_save_time():
         got = gather_catalogue(out["fof"]["catalogue"])
         for name in ("mvir", "rvir", "m200c", "r200c"):
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{how}: {name}")
+    # A traced a that is none of the times given is computed from itself (in float32), not
+    # looked up at the nearest time.
+    _, cat = jaxpm_halos.fof(particles, b=0.2, min_members=20, so=so, omega_m=0.3, a=0.65)
+    want = cat.to_numpy()
+    out = jax.jit(lambda y, t: insitu(y, t, times=[0.3, a, 1.0]))(y, jnp.float32(0.65))
+    got = gather_catalogue(out["fof"]["catalogue"])
+    for name in ("rvir", "r200c"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
