@@ -21,6 +21,7 @@ canonical wrapped coordinates, so the groups are those of a serial FoF on every 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,29 @@ def widest_linking_length(pencils: Pencils) -> float:
     return (min(pencils.widths) - _GHOST_MARGIN[1] * box) / (1 + _GHOST_MARGIN[0])
 
 
+def _floor_significant(x: float, digits: int) -> float:
+    """``x > 0`` rounded down to ``digits`` significant digits (a value that still fits)."""
+    shift = digits - 1 - math.floor(math.log10(x))  # decimals kept (negative: tens, ...)
+    return math.floor(x * 10.0 ** shift) / 10.0 ** shift
+
+
+def check_linking_length(l: float, pencils: Pencils) -> None:
+    """Raise a ValueError naming the limit, and a linking length that fits, unless FoF
+    can link at ``l`` on ``pencils``' mesh (:func:`linking_length_misfit`)."""
+    box = pencils.box_size
+    misfit = linking_length_misfit(l, pencils)
+    widest = _floor_significant(widest_linking_length(pencils), 5)
+    if misfit == "box":  # with a length that fits the pencils too
+        fits = f"< {box:g} / 3" if widest >= box / 3 else f"<= {widest}"
+        raise ValueError(f"linking length {l} must be below a third of the box {box}: use a "
+                         f"linking length {fits}")
+    if misfit == "pencil":
+        raise ValueError(f"linking length {l} needs a ghost layer of {ghost_width(l, box):.7g} "
+                         f"(a margin for float rounding), wider than a pencil "
+                         f"({min(pencils.widths)}) of the ({pencils.px}, {pencils.py}) mesh; "
+                         f"use a linking length <= {widest} or fewer devices along that axis")
+
+
 def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,
              peak_density=None) -> Step:
     """FoF as a pipeline :class:`~._pipeline.Step`: labels per particle and the catalogue.
@@ -298,6 +322,7 @@ def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
     pencils = Pencils.from_axes(axes, particles.box_size)
     n0 = particles.size if n0 is None else int(n0)
     l = float(linking_length)
+    check_linking_length(l, pencils)
     plan = Plan(pencils, config.domain, n0, ghost_width(l, particles.box_size))
     decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
     outputs, _ = analyse(decomposition, domain,

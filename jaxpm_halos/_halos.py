@@ -13,7 +13,6 @@ The catalogue's extras run on the decomposition FoF shares with them:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Mapping
 
 import jax
@@ -23,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from ._catalogue import CATALOGUE_FIELDS
 from ._config import MAX_HALOS, DomainConfig, FoFConfig, KNNConfig
 from ._domain import Decomposition, psum_all
-from ._fof import fof_step, ghost_width, linking_length_misfit, widest_linking_length
+from ._fof import check_linking_length, fof_step, ghost_width
 from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache, row_masses,
                         trim_padding)
 from ._knn import ghost_width as knn_width
@@ -215,19 +214,7 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
     l = float(linking_length) if b is None else float(b) * problem.mean_separation
     if not l > 0 or l != l:
         raise ValueError(f"the linking length must be positive, got {l}")
-    pencils, box = problem.pencils, problem.box_size
-    misfit = linking_length_misfit(l, pencils)
-    widest = math.floor(widest_linking_length(pencils) * 1e4) / 1e4
-    if misfit == "box":  # with a length that fits the pencils too
-        fits = f"< {box:g} / 3" if widest >= box / 3 else f"<= {widest}"
-        raise ValueError(f"linking length {l} must be below a third of the box {box}: use a "
-                         f"linking length {fits}")
-    if misfit == "pencil":
-        raise ValueError(f"linking length {l} needs a ghost layer of "
-                         f"{ghost_width(l, problem.box_size):.7g} (a margin for float "
-                         f"rounding), wider than a pencil ({min(pencils.widths)}) of the "
-                         f"({pencils.px}, {pencils.py}) mesh; use a linking length <= {widest} "
-                         "or fewer devices along that axis")
+    check_linking_length(l, problem.pencils)
     return l
 
 
@@ -306,8 +293,9 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       particle's label is the smallest id in its group (input index, or lattice index for
       grids), so labels are identical on every mesh; particles excluded for a non-finite
       position have label -1. ``catalogue`` is a padded :class:`~jaxpm_halos.Catalogue`.
-      Outside ``jit`` a non-finite position raises
-      :class:`~jaxpm_halos.InvalidInputError`; inside ``jit``, read ``catalogue.status``
+      Outside ``jit`` a non-finite position, or ids that repeat and merge groups
+      (``status.repeated_ids``), raise :class:`~jaxpm_halos.InvalidInputError`; inside
+      ``jit``, read ``catalogue.status``
       (it covers every buffer the result depends on), or thread a runtime check with
       ``labels = catalogue.status.error_if(labels, config)``.
     """

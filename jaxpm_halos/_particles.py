@@ -52,7 +52,8 @@ class Particles:
         (-1 marks padding and ``2**31 - 1`` "no id" inside the kernels), and unique: FoF
         labels a group by its smallest id. Outside ``jit`` other ids raise ``ValueError``,
         and so do repeated ones given as a host (numpy) array; ids already on devices are
-        not checked for repeats, which would take a global sort. Inside ``jit`` (or with a
+        not sorted to find repeats (a global sort), but FoF counts the groups they merge
+        (``status.repeated_ids``, which fails the status). Inside ``jit`` (or with a
         traced ``num``) they are cast to int32 unchecked. Relabel unique ids with
         ``np.unique(ids, return_inverse=True)`` and map the results back.
         """

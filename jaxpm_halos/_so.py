@@ -38,7 +38,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -46,7 +45,7 @@ from . import _control as control
 from ._cells import CellGrid, _x64, column_start, search_columns, sort_columns, z_order
 from ._config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
 from ._domain import Decomposition, common_mass, pmax_all, psum_all, selection
-from ._fof import ghost_width as fof_ghost_width, z_images
+from ._fof import ghost_width as fof_ghost_width, widest_linking_length, z_images
 from ._frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils
@@ -83,9 +82,7 @@ def radius_limit(radius: float, pencils: Pencils) -> Limit:
 def largest_radius(pencils: Pencils) -> float:
     """The largest SO search radius the box and the mesh support: below a third of the
     box, and the ghost layer it needs within the narrower pencil side."""
-    box = pencils.box_size
-    widest = (min(pencils.widths) - 8 * float(np.finfo(np.float32).eps) * box) / (1 + 1e-5)
-    return min(widest * (1 - 1e-6), box / 3.01)
+    return min(widest_linking_length(pencils) * (1 - 1e-6), pencils.box_size / 3.01)
 
 
 def check_radius(radius: float, box_size: float, pencils: Pencils) -> float:

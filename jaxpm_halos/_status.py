@@ -152,12 +152,14 @@ class Failure:
                     "or SO centres) are NaN, inf or unusable (inside jit they are left out of "
                     "the results). Clean the input (or mask those rows) and rerun.")
         if self.kind is FailureKind.REPEATED_IDS:
-            return (f"jaxpm_halos: particle ids repeat: {self.count} FoF groups hold more than "
-                    "one particle with the group's smallest id, and groups that share their "
-                    "smallest id are merged into one catalogue row. Give every particle a "
-                    "unique id in [0, 2**31 - 2] (Particles.create(pos, box_size) numbers the "
-                    "rows; unique 64-bit ids can be relabelled with np.unique(ids, "
-                    "return_inverse=True)) and rerun.")
+            return (f"jaxpm_halos: particle ids repeat: FoF groups ({self.count}) hold more "
+                    "than one particle with the group's smallest id, and groups that share "
+                    "their smallest id are merged into one catalogue row. Give every particle "
+                    "a unique id in [0, 2**31 - 2] (Particles.create(pos, box_size) numbers "
+                    "the rows; unique 64-bit ids can be relabelled with np.unique(ids, "
+                    "return_inverse=True)) and rerun. Padded Particles (id -1 past num) "
+                    "passed to fof inside jit are read as particles and show here too: pass "
+                    "their valid rows only.")
         if self.kind is FailureKind.UNREPLICATED:
             return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
                     "every device (only one device's value would come back). Reduce it over "
@@ -244,12 +246,13 @@ class Status:
     result. A status covers every buffer its result depends on, the shared decomposition
     included. ``unreplicated`` (bool, one per name in the static ``replicated``) flags the
     outputs of in-situ user analyses declared ``"replicated"`` that were not the same on
-    every device. ``repeated_ids`` counts FoF groups with more than one particle holding the
-    group's smallest id: ids repeat, and groups that share their smallest id are merged in
-    the catalogue (and share a label). Not seen: a repeated id that is no group's smallest
-    (it changes no result), and a group that shares its smallest id with another but is
-    whole on its device and too small for the catalogue (the two share a label; the
-    catalogue is unaffected).
+    every device. ``repeated_ids`` counts FoF groups found with more than one particle
+    holding the group's smallest id (a group can be counted on two devices): ids repeat,
+    and groups that share their smallest id are merged in the catalogue (and share a
+    label). Every such merge in the catalogue is counted, and so is a repeat inside one
+    group, in the catalogue or not. Repeats that change no catalogue row can go unseen: an
+    id that is no group's smallest, or two groups sharing one that are each whole on a
+    device and not both in the catalogue (they share a label only).
     """
 
     needed: Mapping[str, jax.Array]

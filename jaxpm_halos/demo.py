@@ -565,8 +565,8 @@ def demo_cosmology(omega_c: float = 0.25, sigma8: float = 0.8) -> dict:
 
 
 def switchable_saveat_fn(insitu, snapshots):
-    """``saveat_fn(a, y, cosmo, on)`` for :func:`run_simulation`: runs ``insitu(y, a)`` at
-    snapshot ``i`` when the traced flag ``on[i]`` is true, and returns zeros of the same
+    """``saveat_fn(a, y, cosmo, on)`` for :func:`run_simulation`: runs
+    ``insitu(y, a, times=snapshots)`` at snapshot ``i`` when the traced flag ``on[i]`` is true, and returns zeros of the same
     structure (skipping the analyses, through ``lax.cond``) when it is false.
 
     The same compiled solve then runs with the analyses on or off, which is how the demo

@@ -82,8 +82,8 @@ class Snapshot:
     plan: Plan
     a: jax.Array
     insitu: "InSitu"
-    so_densities: jax.Array
     memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    so_densities: jax.Array | None = None
 
     def shared(self, key: str, compute: Callable[[], Any]):
         """``compute()``, run once per snapshot however many analyses ask for ``key`` (the
@@ -384,8 +384,7 @@ class InSitu:
         if a.size != 1:
             raise ValueError(f"a must be one scale factor, got an array of shape {a.shape}")
         check_scale_factor(a)  # in the state's precision: 1e-50 is 0 in float32
-        densities = _so_densities(bound, given, a, None if times is None
-                                  else np.asarray(times, float).reshape(-1))
+        densities = _so_densities(bound, given, a, times)
         run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype),
                                        _generation[0])(y, a, densities)
         if is_traced(y, a, densities):
@@ -448,6 +447,9 @@ def _so_densities(insitu: InSitu, given, a, times):
     traced = jnp.stack([jnp.asarray(d, a.dtype) for d in at(a)])
     if times is None:
         return traced
+    times = np.asarray(times, float).reshape(-1)
+    if times.size == 0:
+        raise ValueError("times: the save times a traced a may be one of; got none")
     table = jnp.asarray(np.asarray([at(float(t)) for t in times]), a.dtype)  # (S, D)
     saved = jnp.asarray(times, a.dtype)  # (S,) as diffrax holds them
     nearest = jnp.argmin(jnp.abs(saved - a))
@@ -586,7 +588,7 @@ def _compiled(insitu: InSitu, problem, dtype, generation: int):
         def step(an: Analysis) -> Step:
             def run(dec):
                 return an.run(Snapshot(particles_of(dec.migrated, box), dec, plan, a, insitu,
-                                       so_densities, memo))
+                                       memo, so_densities))
             return Step(run, an.outputs)
 
         steps = {an.name: step(an) for an in selected}

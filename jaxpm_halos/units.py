@@ -123,10 +123,11 @@ def so_density(definition: str, *, omega_m, a=1.0):
       definition: ``"200c"``, ``"500c"``, ``"200m"``, ``"vir"`` or any ``"<Delta>c"`` /
         ``"<Delta>m"``.
       omega_m: matter density parameter today.
-      a: scale factor (a number or an array, also traced inside ``jit``). A concrete
-        ``a`` (also a numpy or JAX scalar) is computed in float64, so the threshold is the
-        same whatever its type; a traced one in its own precision, where float32 rounding
-        can put the threshold an ulp away (as can a traced ``omega_m``).
+      a: scale factor (a number or an array, also traced inside ``jit``). With ``a`` and
+        ``omega_m`` concrete (numbers, numpy or JAX arrays) the threshold is computed in
+        float64 from their values (a float32 ``a`` of 0.6 is its own value, not 0.6) and
+        returned as a float, or a float64 array; with either traced it is computed in
+        their precision, where float32 rounding can put it an ulp away.
     """
     if not isinstance(definition, str):
         raise ValueError(f"an SO definition is a string such as '200c', got {definition!r}")
@@ -135,8 +136,14 @@ def so_density(definition: str, *, omega_m, a=1.0):
             (np.asarray(omega_m) > 0) & (np.asarray(omega_m) <= 1)):
         raise ValueError(f"omega_m must lie in (0, 1] for flat LCDM, got {omega_m}")
     check_scale_factor(a)
-    a, omega_m = (x if isinstance(x, jax.core.Tracer) else np.asarray(x, np.float64)
-                  for x in (a, omega_m))
+    if isinstance(a, jax.core.Tracer) or isinstance(omega_m, jax.core.Tracer):
+        return _so_density(definition, omega_m, a)
+    value = _so_density(definition, np.asarray(omega_m, np.float64), np.asarray(a, np.float64))
+    return float(value) if np.ndim(value) == 0 else value
+
+
+def _so_density(definition: str, omega_m, a):
+    """:func:`so_density`'s arithmetic, in the precision of its inputs."""
     a3 = a * a * a
     critical = RHO_CRIT * (omega_m + (1 - omega_m) * a3)  # rho_c(a) a^3
     if definition == "vir":

@@ -496,6 +496,12 @@ def test_local_api_inside_user_shard_map(adversarial):
     rows = cat_id.reshape(8, -1)
     got = np.sort(np.concatenate([r[:k] for r, k in zip(rows, num)]))
     np.testing.assert_array_equal(got, want_cat["id"])
+    # A linking length whose ghost layer is wider than a pencil (4 along "row") is refused.
+    wide = jax.shard_map(lambda b: jh.fof_local(jh.Particles.create(b, BOX), BOX / 3.5,
+                                                axes=("row", "col"))[1],
+                         mesh=mesh, in_specs=spec, out_specs=spec)
+    with pytest.raises(ValueError, match=r"wider than a pencil \(4.0\) of the \(4, 2\) mesh"):
+        jax.eval_shape(wide, p)
 
 
 @pytest.mark.leg1

@@ -414,12 +414,20 @@ def test_repeated_ids_on_devices_that_merge_groups_fail_the_status(shape):
     rows = NamedSharding(mesh, P(("x", "y")))
     particles = jh.Particles.create(jax.device_put(pos, rows), 10.0,
                                     id=jax.device_put(ids, rows))
-    with pytest.raises(jh.InvalidInputError, match=r"particle ids repeat: 2 FoF groups"):
+    with pytest.raises(jh.InvalidInputError, match=r"particle ids repeat: FoF groups \(2\)"):
         jh.fof(particles, linking_length=0.5, min_members=20)
     status = jax.jit(lambda p: jh.fof(p, linking_length=0.5, min_members=20)[1].status)(
         particles)
     assert int(status.repeated_ids) == 2 and not bool(status.ok)
     assert status.failure() == jh.Failure(jh.FailureKind.REPEATED_IDS, 2)
+    if shape != (1, 1):  # the runtime check inside jit, on every device of the mesh
+
+        def checked(p):
+            labels, cat = jh.fof(p, linking_length=0.5, min_members=20)
+            return cat.status.error_if(labels)
+
+        with pytest.raises(Exception, match=r"particle ids repeat: FoF groups \(2\)"):
+            jax.block_until_ready(jax.jit(checked)(particles))
 
 
 @pytest.mark.leg1
