@@ -141,6 +141,8 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
       saveat_fn: ``fn(a, y, cosmo) -> pytree`` run inside the solve at each snapshot, where
         ``y`` is the stacked ``(2, nc, nc, nc, 3)`` state; e.g.
         ``lambda a, y, cosmo: jaxpm_halos.from_jaxpm(y, box_size=box).pos``. None saves ``y``.
+        An :class:`~jaxpm_halos.InSitu` here is called as ``insitu(y, a, times=snapshots)``
+        (``a`` is traced), so that its SO thresholds are ``fof``'s at those times.
       seed: seed of the initial conditions.
       halo_size: the painting halo in PM cells (see :func:`default_halo_size`).
       progress: show diffrax's text progress meter during the solve.
