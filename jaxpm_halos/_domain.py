@@ -364,7 +364,7 @@ def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: in
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["migrated", "ext", "ghosts", "need_ghosts"],
+                   data_fields=["migrated", "ext", "ghosts", "need_ghosts", "fits"],
                    meta_fields=["width"])
 @dataclasses.dataclass(frozen=True)
 class Decomposition:
@@ -374,6 +374,10 @@ class Decomposition:
 
     Computed once per snapshot and shared by every analysis (FoF, kNN, user analyses).
     ``ext`` rows ``[:capacity]`` are the owned rows of ``migrated`` in the same order.
+    ``fits`` (scalar bool, the same on every device) is False when one of its buffers
+    overflowed on some device (set by :meth:`~._pipeline.Plan.decompose`, which knows the
+    capacities; True when built here): an analysis then marks its rows unresolved rather
+    than return values computed on truncated data.
     """
 
     migrated: Migrated
@@ -381,6 +385,7 @@ class Decomposition:
     ghosts: Ghosts
     need_ghosts: jax.Array
     width: float
+    fits: jax.Array = dataclasses.field(default_factory=lambda: jnp.bool_(True))
 
 
 def decompose(pencils: Pencils, fields: dict, valid, width: float, transfer_rows: int,

@@ -87,6 +87,11 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
     ext_mass = decomposition.ghosts.forward(plan.pencils, mass)
     nb, status = knn_device(plan, decomposition.ext, decomposition.ext.pos, ext_mass, spec.k,
                             spec.config, queries=queries, kth_only=spec.kth_only)
+    # A row that needed the full cross-device buffer is already marked; any other buffer
+    # that overflowed (the decomposition's or the search's) truncated data every row may
+    # have read, so no row is trusted: inside jit, all of them come back NaN / -1.
+    trusted = decomposition.fits & status.buffers_fit(skip=("knn remote",))
+    nb = nb._replace(ok=nb.ok & trusted)
     total_mass = None
     if spec.overdensity and spec.kth_only:
         # Equal masses: N m, with N counted exactly, so the mean is the same bits on every
@@ -301,6 +306,9 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
     Outside ``jit``, a non-finite position raises :class:`~jaxpm_halos.InvalidInputError`;
     inside ``jit``, rows that could not be completed are NaN (ids -1) and
     ``with_status=True`` gives the status to check (or to thread with ``status.error_if``).
+    A row is left incomplete when the cross-device buffer (``'knn remote'``) had no room
+    for it; when any other buffer overflowed, every row is NaN (ids -1): none is returned
+    finite and wrong.
     """
     output = "neighbours" if reduce is None else "reduce"
     return _run(pos, box_size, k, None, mesh, query, config, output, reduce, False, with_status,
@@ -317,7 +325,8 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
     neighbours. ``overdensity=True`` returns ``rho / rho_mean - 1`` with ``rho_mean`` the
     total mass over ``box_size**3``. Needs ``k >= 2``. Masses must be finite and >= 0:
     outside ``jit`` others raise :class:`~jaxpm_halos.InvalidInputError`; inside, their
-    particles are excluded and counted like non-finite positions. Other arguments as
+    particles are excluded and counted like non-finite positions, and a total mass of zero
+    gives NaN overdensities. Other arguments and the rows left NaN inside ``jit`` as
     :func:`knn`.
     """
     return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
@@ -348,8 +357,9 @@ def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | N
       migration (padded, valid first), the result for them in that order (``(dist, idx)``
       or the ``reduce`` output), and the :class:`~jaxpm_halos.Status`. With ``query``:
       ``(result, status)`` for the query rows in the caller's order. No error is raised
-      inside ``shard_map``: check ``status.ok`` (rows that could not be completed are NaN).
-      The status covers the decomposition as well as the search.
+      inside ``shard_map``: check ``status.ok`` (rows that could not be completed are NaN,
+      ids -1; all rows when a buffer other than ``'knn remote'`` overflowed, as in
+      :func:`knn`). The status covers the decomposition as well as the search.
     """
     pencils = Pencils.from_axes(axes, particles.box_size)
     n0 = particles.size if n0 is None else int(n0)
@@ -410,7 +420,9 @@ def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int,
     Returns ``(result, status)``: ``result`` holds, per owned row in the decomposition's
     order, ``dist`` (rows, k) (differentiable, NaN in padding), ``idx`` (global ids, -1 in
     padding), ``neighbour_mass`` (rows, k) and ``ok`` (rows,). ``status`` covers the
-    search only (the decomposition's buffers are the caller's).
+    search only (the decomposition's buffers are the caller's). ``ok`` is False (and the
+    row NaN, -1) for a row the cross-device buffer had no room for, and for every row when
+    another search buffer overflowed or ``decomposition.fits`` is False.
     """
     if width is None:
         width = decomposition.width

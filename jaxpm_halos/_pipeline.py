@@ -155,12 +155,14 @@ class Plan:
         needs = {"transfer": mig.need_transfer, "capacity": mig.need_capacity,
                  "ghosts": dec.need_ghosts}
         knobs = {"transfer": TRANSFER, "capacity": CAPACITY, "ghosts": GHOSTS}
-        return dec, self.status(needs, knobs, mig.nonfinite)
+        status = self.status(needs, knobs, mig.nonfinite)
+        return dataclasses.replace(dec, fits=status.buffers_fit()), status
 
     def reghost(self, migrated: Migrated, name: str) -> tuple[Decomposition, Status]:
         """Ghosts of this plan's width for already migrated particles, as buffer ``name``."""
         dec = with_ghosts(self.pencils, migrated, self.width, self.ghost_rows)
-        return dec, self.status({name: dec.need_ghosts}, {name: GHOSTS})
+        status = self.status({name: dec.need_ghosts}, {name: GHOSTS})
+        return dataclasses.replace(dec, fits=status.buffers_fit()), status
 
     def trip(self, values, migrated: Migrated, input_rows: int):
         """Per-row ``values`` of the migrated rows back to the input rows, in one set of

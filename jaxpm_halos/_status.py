@@ -269,8 +269,14 @@ class Status:
         device."""
         good = ((self.nonfinite == 0) & (self.repeated_ids == 0)
                 & ~jnp.any(self.unreplicated, axis=-1))
+        return good & self.buffers_fit()
+
+    def buffers_fit(self, skip: tuple[str, ...] = ()) -> jax.Array:
+        """Scalar bool: every buffer fitted, except those named in ``skip``."""
+        good = jnp.bool_(True)
         for name, limit in self.limits:
-            good = good & (self.needed[name] <= limit.rows)
+            if name not in skip:
+                good = good & (self.needed[name] <= limit.rows)
         return good
 
     def merge(self, other: "Status") -> "Status":

@@ -579,6 +579,20 @@ def test_index_overflow_names_the_knob_and_grows(clustered):
     _assert_same(grown, suggested)
 
 
+@pytest.mark.leg1
+def test_overflow_inside_jit_leaves_no_row_plausible(clustered):
+    # The index holds rows every query may read: once it overflowed, no row can be trusted,
+    # so every row is NaN / -1 (not finite and wrong), and the density alike.
+    x = _shard(make_mesh((2, 4)), clustered)
+    small = jh.KNNConfig(index_factor=0.5)
+    (dist, idx), status = jax.jit(lambda p: jh.knn(p, BOX, 8, config=small, with_status=True))(x)
+    assert not bool(status.ok) and status.failure().buffer == "knn index"
+    assert np.isnan(np.asarray(dist)).all() and (np.asarray(idx) == -1).all()
+    rho, status = jax.jit(lambda p: jh.knn_density(p, BOX, 8, config=small,
+                                                   with_status=True))(x)
+    assert not bool(status.ok) and np.isnan(np.asarray(rho)).all()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(k=0), "at least 1"),
     (dict(k=N), "k \\+ 1"),
