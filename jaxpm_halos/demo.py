@@ -142,7 +142,8 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
         ``y`` is the stacked ``(2, nc, nc, nc, 3)`` state; e.g.
         ``lambda a, y, cosmo: jaxpm_halos.from_jaxpm(y, box_size=box).pos``. None saves ``y``.
         An :class:`~jaxpm_halos.InSitu` here is called as ``insitu(y, a, times=snapshots)``
-        (``a`` is traced), so that its SO thresholds are ``fof``'s at those times.
+        (``a`` is traced), so that its SO thresholds are ``fof``'s at those times; it takes
+        no ``saveat_inputs`` (:func:`switchable_saveat_fn` wraps one that does).
       seed: seed of the initial conditions.
       halo_size: the painting halo in PM cells (see :func:`default_halo_size`).
       progress: show diffrax's text progress meter during the solve.
@@ -185,6 +186,7 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
     if any(not a_init <= a <= a_final for a in snapshots):
         raise ValueError(f"snapshots {snapshots} must lie in [{a_init}, {a_final}]")
     omega_m = omega_c + float(jc.Planck15().Omega_b)
+    saveat_fn = _saveat_of(saveat_fn, snapshots, saveat_inputs)
 
     def simulate(seed, initial_field, saveat_inputs):
         cosmo = jc.Planck15(Omega_c=omega_c, sigma8=sigma8)
@@ -307,6 +309,20 @@ class _PMSetup(NamedTuple):
         return (jnp.stack([factor * (q + dx), factor * p], axis=0),
                 diffrax.ODETerm(refined_pm_ode(self.nc, self.pm_nc, halo_size=self.halo_size,
                                                sharding=self.sharding)))
+
+
+def _saveat_of(saveat_fn, snapshots: tuple, saveat_inputs):
+    """``saveat_fn`` as diffrax calls it, ``fn(a, y, cosmo[, inputs])``: an
+    :class:`~jaxpm_halos.InSitu` takes the state first and the save times."""
+    from .extension import InSitu
+
+    if not isinstance(saveat_fn, InSitu):
+        return saveat_fn
+    if saveat_inputs is not None:
+        raise ValueError("an InSitu saveat_fn takes no saveat_inputs; to switch its analyses "
+                         "on and off pass saveat_fn=switchable_saveat_fn(insitu, snapshots)")
+    insitu = saveat_fn
+    return lambda a, y, cosmo: insitu(y, a, times=snapshots)  # noqa: E731
 
 
 def _solve(pm: _PMSetup, ode, y0, cosmo, a_final: float, steps: int, snapshots: tuple,

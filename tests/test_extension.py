@@ -424,7 +424,7 @@ def test_the_counter_sees_a_sort_that_runs_at_every_step():
 
 
 @requires_jaxpm
-@pytest.mark.parametrize("saveat_fn", ["insitu_switchable", "user_sort"])
+@pytest.mark.parametrize("saveat_fn", ["insitu", "insitu_switchable", "user_sort"])
 def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat_fn):
     """The same through the demo's run_simulation, whose SaveAt also saves t1 and whose
     switchable_saveat_fn wraps the analyses in a lax.cond; and for any saveat_fn there (here
@@ -434,8 +434,10 @@ def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat
 
     nc, box = 16, 32.0
     mesh = make_mesh((2, 4))
-    if saveat_fn == "insitu_switchable":
-        insitu = InSitu(box_size=box, analyses=("fof",), min_members=5)
+    insitu = InSitu(box_size=box, analyses=("fof",), min_members=5)
+    if saveat_fn == "insitu":  # as the docs say it may be passed: called with the times
+        kwargs = dict(saveat_fn=insitu)
+    elif saveat_fn == "insitu_switchable":
         kwargs = dict(saveat_fn=switchable_saveat_fn(insitu, [1.0]),
                       saveat_inputs=jnp.ones(1, bool))
     else:
@@ -445,6 +447,12 @@ def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat
     per_step, per_save = save_loop_counts(result.compiled.as_text(), "sort")
     assert per_step == 0, f"{per_step} sorts run at every step ({per_save} in the save loop)"
     assert per_save > 0, "the saveat_fn's sorts should be found in diffrax's save loop"
+    if saveat_fn == "insitu":  # and what it saved is the catalogue of the final state
+        offline = insitu(result.state, 1.0)["fof"]["catalogue"]
+        saved = result.saved["fof"]["catalogue"]
+        np.testing.assert_array_equal(np.asarray(saved.id[0]), np.asarray(offline.id))
+        np.testing.assert_array_equal(np.asarray(saved.count[0]), np.asarray(offline.count))
+        assert int(np.sum(offline.num)) > 0
 
 
 def test_an_analysis_registered_again_runs_its_new_function():
