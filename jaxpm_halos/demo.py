@@ -593,6 +593,9 @@ def switchable_saveat_fn(insitu, snapshots):
     import jax
     import jax.numpy as jnp
 
+    if len(set(map(float, snapshots))) < len(snapshots):
+        # A flag is picked by the nearest save time: a repeated one could not be told apart.
+        raise ValueError(f"switchable_saveat_fn: snapshots {list(snapshots)} repeat a time")
     ts = jnp.asarray(snapshots)
 
     def fn(a, y, cosmo, on):
@@ -664,6 +667,8 @@ def _parse_args(argv):
         parser.error(f"--snapshots must be comma-separated scale factors, got {args.snapshots!r}")
     if not snapshots or snapshots[0] <= 0.1 or snapshots[-1] > 1.0:
         parser.error(f"--snapshots must lie in (0.1, 1], got {args.snapshots}")
+    if len(set(snapshots)) < len(snapshots):
+        parser.error(f"--snapshots repeats a scale factor, got {args.snapshots}")
     for flag in ("nc", "steps", "pm_factor", "min_members"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got "
