@@ -3,7 +3,8 @@
 One file per snapshot. The root holds one dataset per catalogue field (``id``, ``count``,
 ``mass``, ``pos``, ``vel``, ``vel_disp``, ``radius``, ``percolates``, ``peak``, then the
 spherical-overdensity masses and radii ``m200c``, ``r200c``, ...; the valid halos only,
-sorted by id), each with a ``unit`` attribute (SO datasets also a ``definition``), and the
+sorted by id), each with a ``unit`` attribute where its unit is known (SO datasets also a
+``definition``: ``jaxpm_halos.units.so_density``'s, or a name given by the caller), and the
 root attributes describe the run:
 
 - ``box_size`` (Mpc/h), ``nc`` (particles per side), ``a`` (scale factor), ``redshift``,
@@ -226,7 +227,9 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
       units: ``{field or attribute: unit}``; default: the units an
         :class:`~jaxpm_halos.InSitu` catalogue carries (:data:`INSITU_UNITS`, masses in
         particles without ``omega_m``, SO masses in Msun/h and radii in comoving Mpc/h).
-        Required for other catalogues (from :func:`~jaxpm_halos.fof`, or a dict).
+        Required for other catalogues (from :func:`~jaxpm_halos.fof`, or a dict). SO
+        datasets not named take the units of ``mass`` and ``pos``; a dataset whose unit is
+        neither given nor so derived is written without a ``unit`` attribute.
       snapshot: index into a catalogue stacked over snapshots.
       attrs: extra root attributes (numbers, strings or arrays).
       throw: as :func:`gather_catalogue`'s: by default a catalogue whose status failed
@@ -242,7 +245,8 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
         ``linking_length``, ``b`` positive and finite, ``a`` in ``(0, inf)``, ``nc`` and
         ``min_members`` positive integers), an ``attrs`` name in :data:`RESERVED`, a
         field that is neither in :data:`FIELDS` nor an SO mass and radius pair (it would
-        not be read back), or a value HDF5 cannot store. A write that fails leaves no file
+        not be read back), ids that are not unique and sorted (a dict catalogue), or a
+        value HDF5 cannot store. A write that fails leaves no file
         behind.
     """
     import jax
@@ -261,7 +265,13 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     cosmology = {str(k): _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
     units = _units(catalogue, units)  # before the gather, which is collective
     fields = gather_catalogue(catalogue, snapshot, throw=throw)
+    ids = np.asarray(fields.get("id", ()))
+    if ids.ndim != 1 or np.any(ids[1:] <= ids[:-1]):
+        raise ValueError("write_catalogue: the catalogue's ids must be unique and sorted, one "
+                         "halo per row (as Catalogue.to_numpy() gives them): sort the rows by "
+                         "id and drop repeats")
     so = _so_definitions(catalogue, fields)
+    units = _so_units(units, so)
     unknown = sorted(set(fields) - set(FIELDS) - {p + n for n in so for p in "mr"})
     if unknown:
         raise ValueError(f"write_catalogue writes a catalogue's fields {FIELDS} and its SO "
@@ -298,6 +308,32 @@ def _so_definitions(catalogue, fields) -> list[str]:
     return [n[1:] for n in names if n.startswith("m") and "r" + n[1:] in fields]
 
 
+def _so_units(units: dict, so) -> dict:
+    """``units`` with those of the SO datasets it lacks: an SO mass sums the particle masses
+    and an SO radius is a distance, so they take the units of ``mass`` and ``pos``."""
+    units = dict(units)
+    for name in so:
+        for prefix, field in (("m", "mass"), ("r", "pos")):
+            if field in units:
+                units.setdefault(prefix + name, units[field])
+    return units
+
+
+def _so_definition(name: str, kind: str, centre: str) -> str:
+    """The ``definition`` attribute of SO dataset ``m<name>`` or ``r<name>``."""
+    from .units import so_density
+
+    try:
+        so_density(name, omega_m=0.3)
+        threshold = f"threshold jaxpm_halos.units.so_density({name!r}) at the snapshot's a"
+    except ValueError:
+        threshold = (f"threshold named {name!r} by the caller, a density not recorded here "
+                     "(store it with attrs=)")
+    about = "density peak" if centre == "peak" else "centre of mass"
+    return (f"spherical-overdensity {kind}, {threshold}, first downcrossing over all "
+            f"particles about the {about}")
+
+
 def _units(catalogue, units) -> dict:
     """The given ``units``, else those the catalogue carries (in situ), else an error: a
     default would label e.g. ``fof``'s unit masses as Msun/h."""
@@ -326,10 +362,7 @@ def _write(path, fields, units, root, cosmology):
                 ds.attrs["unit"] = units[name]
             if name in so:
                 kind = "mass" if name[0] == "m" else "radius"
-                ds.attrs["definition"] = (
-                    f"spherical-overdensity {kind}, threshold {name[1:]} (jaxpm_halos.units."
-                    f"so_density), first downcrossing over all particles about the "
-                    f"{'density peak' if centre == 'peak' else 'centre of mass'}")
+                ds.attrs["definition"] = _so_definition(name[1:], kind, centre)
         f.attrs.update(root)
         f.create_group("cosmology").attrs.update(cosmology)
         f.create_group("units").attrs.update(units)

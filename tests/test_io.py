@@ -246,6 +246,22 @@ def test_round_trip_so_and_peak(tmp_path):
     # From the numpy dict: same datasets, centre read off the presence of peak.
     got = load_catalogue(write_catalogue(tmp_path / "so_np.h5", expected, **META))
     assert got.attrs["so_centre"] == "peak" and set(got.keys()) == set(expected)
+    # META's units hold no SO entries: an SO mass takes the unit of mass, a radius of pos.
+    assert got.attrs["units"]["mvir"] == "Msun/h" and got.attrs["units"]["r200c"] == "Mpc/h"
+
+
+def test_custom_so_names_and_unsorted_ids_are_not_mislabelled(tmp_path):
+    cat = _catalogue(np.random.default_rng(6), 4)
+    cat["m200"] = cat["r200"] = np.ones(4, np.float32)  # fof(so={"200": density}) names it
+    path = write_catalogue(tmp_path / "custom.h5", cat, **META)
+    with h5py.File(path) as f:
+        definition = f["m200"].attrs["definition"]
+        assert "named '200' by the caller" in definition and "so_density" not in definition
+        assert f["r200"].attrs["unit"] == "Mpc/h"
+    shuffled = {k: v[::-1] for k, v in cat.items()}
+    with pytest.raises(ValueError, match="ids must be unique and sorted"):
+        write_catalogue(tmp_path / "shuffled.h5", shuffled, **META)
+    assert not (tmp_path / "shuffled.h5").exists()
 
 
 def test_a_column_load_would_not_read_back_is_refused(tmp_path):
