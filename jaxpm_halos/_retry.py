@@ -14,9 +14,11 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
-from ._status import CapacityError, FailureKind, spell_config
+from ._status import FailureKind, spell_config
 
-MAX_ROUNDS = 8
+# Every round grows some knob, so rounds end; an SO radius too small to start with takes
+# about three per doubling (the radius, then the ghosts and pairs its wider search needs).
+MAX_ROUNDS = 16
 # Grown buffers get this much more than the rows the failed run needed.
 MARGIN = 1.1
 
@@ -62,8 +64,9 @@ def run_growing(call: Callable, config, failure_of: Callable, *, grow: bool,
         seen.add(key)
         config = grown
     else:
-        raise CapacityError(f"{error(failure, config)} (still overflowing after {MAX_ROUNDS} "
-                            "rounds of growth)")
+        last = error(failure, config)  # keeps its type and .failure
+        last.args = (f"{last} (still overflowing after {MAX_ROUNDS} rounds of growth)",)
+        raise last
     if config != start:
         warnings.warn(f"jaxpm_halos: buffers overflowed and were grown, and the call ran "
                       f"again. Pass {spell(config)} to skip the reruns.", GrowthWarning,

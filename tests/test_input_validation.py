@@ -545,3 +545,25 @@ def test_a_knob_shared_by_buffers_of_different_scales_is_grown_in_its_own_unit()
         failure = status.failure()
         assert (failure.buffer, failure.needed) == ("capacity", int(factor * 512))
         assert failure.settings() == {CAPACITY: factor}
+
+
+def test_growth_that_runs_out_of_rounds_raises_the_failure_in_fields():
+    """A call whose need keeps rising ends in a CapacityError that still carries its
+    failure (it was a bare CapacityError with failure None) and counts the rounds."""
+    from jaxpm_halos._config import CAPACITY
+    from jaxpm_halos._retry import MAX_ROUNDS, run_growing
+    from jaxpm_halos._status import Limit, Status
+
+    calls = []
+
+    def call(config):  # needs twice what the last config held, every time
+        rows = int(round(config.capacity_factor * 100))
+        calls.append(rows)
+        return Status({"capacity": jnp.int32(2 * rows)}, jnp.int32(0),
+                      (("capacity", Limit(CAPACITY, rows, 100.0)),))
+
+    with pytest.raises(jh.CapacityError, match=f"after {MAX_ROUNDS} rounds") as error:
+        run_growing(call, jh.DomainConfig(capacity_factor=1.0), Status.failure, grow=True)
+    assert len(calls) == MAX_ROUNDS
+    assert error.value.failure.buffer == "capacity"
+    assert error.value.failure.needed == 2 * calls[-1]
