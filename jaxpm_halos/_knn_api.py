@@ -6,6 +6,8 @@ search kernel (:func:`._knn.knn_device`).
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, NamedTuple
 
 import jax
@@ -92,6 +94,12 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
     # have read, so no row is trusted: inside jit, all of them come back NaN / -1.
     trusted = decomposition.fits & status.buffers_fit(skip=("knn remote",))
     nb = nb._replace(ok=nb.ok & trusted)
+    # With every buffer fitting, a valid row left incomplete had fewer particles to find
+    # than it needs (padding or excluded ones left out): a failure, not a silent NaN.
+    valid = mig.valid if queries is None else queries[1]
+    left = psum_all(plan.pencils, jnp.sum(valid & ~nb.ok, dtype=jnp.int32))
+    fitted = decomposition.fits & status.buffers_fit()
+    status = dataclasses.replace(status, unresolved=jnp.where(fitted, left, 0))
     total_mass = None
     if spec.overdensity and spec.kth_only:
         # Equal masses: N m, with N counted exactly, so the mean is the same bits on every
@@ -344,8 +352,10 @@ def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | N
       k: number of neighbours.
       axes: the caller's mesh axis names that cut the box along x and y (None for an axis
         that is not cut). Device ``(i, j)`` of those axes owns pencil ``(i, j)``.
-      total: the global number of particles (sets the default ghost width; default: the
-        rows of ``particles`` times the number of devices).
+      total: the global number of particles (sets the default ghost width, and k is
+        checked against it; default: the rows of ``particles`` times the number of
+        devices). Rows that find fewer than k neighbours all the same (padding counted in
+        the default) fail the status (``FailureKind.TOO_FEW``) and are NaN.
       query: optional ``(m, 3)`` query points held by this device (any positions), with
         ``query_valid`` (m,) marking the real ones (default all).
       reduce: optional ``fn(dist, idx, data)`` as in :func:`knn`.

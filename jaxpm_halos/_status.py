@@ -100,6 +100,7 @@ class FailureKind(enum.Enum):
     OVERFLOW = "a fixed-size buffer was too small"
     UNREPLICATED = "an analysis output declared 'replicated' differs between devices"
     REPEATED_IDS = "particle ids repeat, and groups that share their smallest id were merged"
+    TOO_FEW = "fewer particles than a kNN row needs (k + 1; k at query points)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +110,9 @@ class Failure:
     Attributes:
       kind: a :class:`FailureKind`.
       count: excluded particles or unusable inputs (NONFINITE), rows the buffer needed per
-        device (OVERFLOW), outputs that differ between devices (UNREPLICATED), or groups
-        holding more than one particle with their smallest id (REPEATED_IDS).
+        device (OVERFLOW), outputs that differ between devices (UNREPLICATED), groups
+        holding more than one particle with their smallest id (REPEATED_IDS), or kNN rows
+        left without k neighbours (TOO_FEW).
       buffer: the buffer's name (OVERFLOW), the outputs' names (UNREPLICATED), else None.
       limit: its :class:`Limit` (OVERFLOW), else None.
       needed: the rows of this buffer for which every buffer sharing its knob fits (each
@@ -160,6 +162,12 @@ class Failure:
                     "return_inverse=True)) and rerun. Padded Particles (id -1 past num) "
                     "passed to fof inside jit are read as particles and show here too: pass "
                     "their valid rows only.")
+        if self.kind is FailureKind.TOO_FEW:
+            return (f"jaxpm_halos: {self.count} kNN rows found fewer than k neighbours: "
+                    "there are fewer than k + 1 particles (k at query points) once padding "
+                    "and non-finite ones are left out; those rows are NaN (ids -1). Use a "
+                    "smaller k or more particles (knn_local: pass total=, the number of "
+                    "valid particles, to have k checked before the search).")
         if self.kind is FailureKind.UNREPLICATED:
             return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
                     "every device (only one device's value would come back). Reduce it over "
@@ -195,6 +203,7 @@ class Failure:
     def error(self, config=None, argument: str = "{}") -> Exception:
         kind = {FailureKind.NONFINITE: InvalidInputError,
                 FailureKind.REPEATED_IDS: InvalidInputError,
+                FailureKind.TOO_FEW: InvalidInputError,
                 FailureKind.UNREPLICATED: ValueError}.get(self.kind, CapacityError)
         error = kind(self.message(config, argument))
         error.failure = self
@@ -211,7 +220,8 @@ class CapacityError(RuntimeError):
 class InvalidInputError(ValueError):
     """The input holds non-finite positions, repeated ids or is otherwise unusable.
     ``error.failure`` is a :class:`Failure` of kind ``NONFINITE`` counting the unusable
-    values, or ``REPEATED_IDS`` counting the groups merged through a repeated id."""
+    values, ``REPEATED_IDS`` counting the groups merged through a repeated id, or
+    ``TOO_FEW`` counting the kNN rows that had fewer than k particles to find."""
 
     failure: Failure | None = None
 
@@ -252,7 +262,9 @@ class Status:
     label). Every such merge in the catalogue is counted, and so is a repeat inside one
     group, in the catalogue or not. Repeats that change no catalogue row can go unseen: an
     id that is no group's smallest, or two groups sharing one that are each whole on a
-    device and not both in the catalogue (they share a label only).
+    device and not both in the catalogue (they share a label only). ``unresolved`` counts
+    valid kNN rows left without k neighbours while every buffer fitted: there were fewer
+    than k + 1 particles (k at query points) once padding and excluded ones were left out.
     """
 
     needed: Mapping[str, jax.Array]
@@ -261,13 +273,14 @@ class Status:
     unreplicated: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((0,), bool))
     replicated: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     repeated_ids: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
+    unresolved: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
 
     @property
     def ok(self) -> jax.Array:
         """Scalar bool: every buffer fitted, every position was finite, no ids repeated in a
-        way that merged groups, and every output declared replicated was the same on every
-        device."""
-        good = ((self.nonfinite == 0) & (self.repeated_ids == 0)
+        way that merged groups, every kNN row found its k neighbours, and every output
+        declared replicated was the same on every device."""
+        good = ((self.nonfinite == 0) & (self.repeated_ids == 0) & (self.unresolved == 0)
                 & ~jnp.any(self.unreplicated, axis=-1))
         return good & self.buffers_fit()
 
@@ -291,14 +304,15 @@ class Status:
         return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite), limits,
                       jnp.concatenate([self.unreplicated, other.unreplicated], axis=-1),
                       self.replicated + other.replicated,
-                      jnp.maximum(self.repeated_ids, other.repeated_ids))
+                      jnp.maximum(self.repeated_ids, other.repeated_ids),
+                      jnp.maximum(self.unresolved, other.unresolved))
 
     def renamed(self, prefix: str) -> "Status":
         """The same status with ``prefix`` before every buffer name (to merge it with a
         status of other buffers of the same names)."""
         return Status({prefix + name: value for name, value in self.needed.items()},
                       self.nonfinite, tuple((prefix + name, limit) for name, limit in self.limits),
-                      self.unreplicated, self.replicated, self.repeated_ids)
+                      self.unreplicated, self.replicated, self.repeated_ids, self.unresolved)
 
     def failure(self) -> Failure | None:
         """Host-side: the first failure, or None when all is well."""
@@ -310,6 +324,9 @@ class Status:
         repeated = int(np.max(np.asarray(self.repeated_ids)))
         if repeated:
             return Failure(FailureKind.REPEATED_IDS, repeated)
+        unresolved = int(np.max(np.asarray(self.unresolved)))  # counted only when all fitted
+        if unresolved:
+            return Failure(FailureKind.TOO_FEW, unresolved)
         needs = {name: int(np.max(np.asarray(self.needed[name]))) for name, _ in self.limits}
         def knob_need(limit: Limit) -> int:
             """Rows of ``limit``'s buffer for which every buffer sharing its knob fits: the

@@ -612,3 +612,25 @@ def test_bad_density_arguments_raise(clustered):
         jh.knn_density(clustered, BOX, 1)
     with pytest.raises(ValueError, match="need at least k particles"):
         jh.knn(clustered[:16], BOX, 17, query=np.zeros((3, 3), np.float32))
+
+
+def test_knn_local_with_fewer_valid_particles_than_k_fails_its_status():
+    """Padded Particles with 4 valid rows and k = 5 (total left at rows x devices): every
+    row is NaN, and the status said ok."""
+    rows, k = 16, 5
+    pos = np.random.default_rng(0).uniform(0, BOX, (rows, 3)).astype(np.float32)
+
+    def step(pos):
+        ids = jnp.where(jnp.arange(rows) < 4, jnp.arange(rows), -1)
+        parts = jh.Particles.create(pos, BOX, id=ids, num=4)
+        _, (dist, _), status = jh.knn_local(parts, k)
+        (qdist, _), qstatus = jh.knn_local(parts, k, query=jnp.ones((1, 3)))
+        return dist[:4], status, qdist, qstatus
+
+    dist, status, qdist, qstatus = jax.jit(step)(pos)
+    assert np.isnan(np.asarray(dist)).all() and np.isnan(np.asarray(qdist)).all()
+    for st, rows_left in ((status, 4), (qstatus, 1)):
+        assert not bool(st.ok)
+        assert st.failure() == jh.Failure(jh.FailureKind.TOO_FEW, rows_left)
+    with pytest.raises(jh.InvalidInputError, match="fewer than k neighbours"):
+        status.check()
