@@ -409,6 +409,11 @@ class InSitu:
         """
         import diffrax
 
+        if is_traced(ts):
+            raise TypeError("InSitu.saveat needs concrete save times (numbers or a numpy "
+                            "array), not traced ones: they are checked, and the SO thresholds "
+                            "computed, on the host. Build the SaveAt outside jit (or from "
+                            "static times) and pass it into the jitted solve")
         ts = np.asarray(ts, dtype=float)
         if ts.ndim > 1:
             raise ValueError(f"snapshot times must be one time or a 1-D sequence, got shape "
@@ -560,13 +565,27 @@ def _state_layout(insitu: InSitu, y):
     return problem
 
 
+def _check_widths(widths: dict, pencils: Pencils) -> None:
+    """Every analysis's ghost layer must fit in a pencil: name the one that does not."""
+    most = min(pencils.widths)
+    for name, width in widths.items():
+        if not 0 <= width <= most:
+            raise ValueError(
+                f"in-situ analysis {name!r} asks for a ghost layer of {width:g} (Mpc/h, the "
+                f"box's unit), but it must lie in [0, {most:g}], the narrower pencil side of "
+                f"the ({pencils.px}, {pencils.py}) mesh in a box of {pencils.box_size:g}: "
+                f"register it with a smaller width=, or run on fewer devices along an axis")
+
+
 @program_cache(16)
 def _compiled(insitu: InSitu, problem, dtype, generation: int):
     """The jitted InSitu program; ``generation`` (the registry's) keys it on the analyses'
     functions."""
     layout, pencils = problem.layout, problem.pencils
     selected = [analysis(name) for name in insitu.analyses]
-    width = max([a.width(insitu, pencils) for a in selected] + [0.0])
+    widths = {a.name: a.width(insitu, pencils) for a in selected}
+    _check_widths(widths, pencils)
+    width = max(list(widths.values()) + [0.0])
     plan = plan_for(problem, insitu.domain, width)
     nc, box, pm_nc = insitu.nc, insitu.box_size, insitu.pm_nc
     mass = units.particle_mass(insitu.omega_m, box, nc) if insitu.omega_m else 1.0

@@ -563,6 +563,21 @@ def test_snapshot_times_out_of_order_are_refused():
             insitu.saveat((0.05, 1.5), **bound)
     assert insitu.saveat(1.0, t0=0.1, t1=1.0).subs.ts.shape == (1,)  # one time
     insitu.saveat((1.0, 0.5), t0=1.0, t1=0.1)  # a backward solve
+    with pytest.raises(TypeError, match="concrete save times"):  # was a bare tracer error
+        jax.jit(lambda ts: insitu.saveat(ts).subs.ts)(jnp.asarray([0.5, 1.0]))
+
+
+def test_an_analysis_asking_for_a_layer_wider_than_a_pencil_is_named():
+    y = jnp.zeros((2, 8, 8, 8, 3), jnp.float32)
+    name = "test_too_wide"
+    try:
+        register(name, width=40.0)(lambda snap: snap.particles.pos[:, 0])
+        insitu = InSitu(box_size=32.0, analyses=(name,))
+        with pytest.raises(ValueError, match=f"analysis '{name}' asks for a ghost layer of 40 "
+                                             r".*\[0, 32\].*smaller width="):
+            insitu(y, 1.0)
+    finally:
+        REGISTRY.pop(name)
     insitu.saveat((1.0, 0.5))
     insitu.saveat((0.5, 0.5, 1.0))  # a repeated time is a repeated snapshot
 
