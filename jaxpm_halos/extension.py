@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._catalogue import insitu_units
-from ._config import DomainConfig, FoFConfig, KNNConfig, SOConfig
+from ._config import PARTICLE_KNOBS, DomainConfig, FoFConfig, KNNConfig, SOConfig
 from ._domain import Decomposition
 from ._fof import linking_length_misfit, widest_linking_length
 from ._halos import Extras, check_centre, halo_step, peak_densities, so_request
@@ -54,7 +54,7 @@ from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, replication_
 from ._so import resolve_radius
 from ._retry import run_growing
 from ._saveloop import pin_to_save_loop
-from ._status import Status, is_traced, spell_config
+from ._status import FailureKind, Status, is_traced, spell_config
 from . import units
 
 
@@ -523,12 +523,26 @@ _CONFIG_CLASS = {attr: cls for cls, attr in _CONFIG_FIELD.items()}
 
 def _first_failure(outputs):
     """The first failure of any :class:`Status` in ``outputs`` (each analysis's own, which
-    covers the shared decomposition too), or None."""
-    for status in jax.tree.leaves(outputs, is_leaf=lambda x: isinstance(x, Status)):
-        failure = status.failure() if isinstance(status, Status) else None
-        if failure is not None:
-            return failure
-    return None
+    covers the shared decomposition too), or None. An overflow also grows the buffers of
+    its config class that the other analyses' failures grow (``Failure.also``): each status
+    sees the shared decomposition through its own buffers, so one suggestion holds them all
+    and a pasted fix does not meet the next of them one rerun later."""
+    failures = [status.failure() for status in jax.tree.leaves(
+        outputs, is_leaf=lambda x: isinstance(x, Status)) if isinstance(status, Status)]
+    failures = [f for f in failures if f is not None]
+    if not failures or failures[0].kind is not FailureKind.OVERFLOW:
+        return failures[0] if failures else None
+    first = failures[0]
+    also, knobs = list(first.also), {first.limit.knob} | {lim.knob for _, lim, _ in first.also}
+    for other in failures[1:]:
+        if other.kind is not FailureKind.OVERFLOW:
+            continue
+        for name, limit, needed in ((other.buffer, other.limit, other.needed), *other.also):
+            if (limit.knob.owner is first.limit.knob.owner and limit.knob in PARTICLE_KNOBS
+                    and limit.knob not in knobs):
+                also.append((name, limit, needed))
+                knobs.add(limit.knob)
+    return dataclasses.replace(first, also=tuple(also))
 
 
 def _error(failure, insitu: "InSitu | None") -> Exception:
