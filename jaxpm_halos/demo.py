@@ -650,6 +650,10 @@ def _parse_args(argv):
                         help="FoF linking length in mean particle separations (default 0.2)")
     parser.add_argument("--min-members", type=int, default=20,
                         help="smallest FoF group in the catalogues (default 20)")
+    parser.add_argument("--max-halos", type=int, default=None,
+                        help="catalogue rows per device (FoFConfig.max_halos; default "
+                             "max(1024, particles per device / 16)); a small --min-members "
+                             "may need more")
     parser.add_argument("--k", type=int, default=16, help="neighbours for the kNN density (default 16)")
     parser.add_argument("--analyses", default="fof,knn_density",
                         help="registered analyses to run in situ (default fof,knn_density)")
@@ -669,8 +673,8 @@ def _parse_args(argv):
         parser.error(f"--snapshots must lie in (0.1, 1], got {args.snapshots}")
     if len(set(snapshots)) < len(snapshots):
         parser.error(f"--snapshots repeats a scale factor, got {args.snapshots}")
-    for flag in ("nc", "steps", "pm_factor", "min_members"):
-        if getattr(args, flag) < 1:
+    for flag in ("nc", "steps", "pm_factor", "min_members", "max_halos"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got "
                          f"{getattr(args, flag)}")
     if args.k < 2:  # the kNN density (and the peak) count k - 1 neighbours in the ball
@@ -702,6 +706,8 @@ def main(argv=None) -> int:
     from jax.sharding import AxisType
 
     from . import units
+    from ._config import MAX_HALOS, FoFConfig
+    from ._status import CapacityError
     from .extension import REGISTRY, InSitu, check
 
     analyses = tuple(a for a in args.analyses.split(",") if a)
@@ -722,7 +728,8 @@ def main(argv=None) -> int:
                     k=args.k, omega_m=omega_m, overdensity=True,
                     paint_absolute_pos=pm_nc != args.nc, pm_nc=pm_nc,
                     so=("200m",) if args.m200m else (),
-                    centre=args.centre if args.m200m else "com")
+                    centre=args.centre if args.m200m else "com",
+                    fof=FoFConfig(max_halos=args.max_halos))
     lead = jax.process_index() == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if lead else (lambda *a, **k: None)
     say(f"jaxpm_halos demo: {args.nc}^3 particles ({mass:.3g} Msun/h each), box {args.box:g} "
@@ -738,7 +745,13 @@ def main(argv=None) -> int:
                             a_final=snapshots[-1], progress=True,
                             saveat_inputs=jnp.ones(len(snapshots), bool), pm_nc=pm_nc)
     say(f"compiled in {result.compile_s:.1f} s; solve with in-situ analyses: {result.run_s:.2f} s")
-    check(result.saved)  # raises, naming the knob, if any buffer overflowed at any snapshot
+    try:  # raises, naming the knob, if any buffer overflowed at any snapshot
+        check(result.saved, insitu)
+    except CapacityError as error:
+        if error.failure.limit.knob != MAX_HALOS:
+            raise
+        parser.error(f"{error} Here: rerun with --max-halos "
+                     f"{error.failure.settings()[MAX_HALOS]}")
     t_off, t_snap = _time_analyses(result, args.timing, say)
 
     if lead:

@@ -17,6 +17,7 @@ from jaxpm_halos.demo import _parse_args
     (["--mesh", "8"], "--mesh must be two positive integers"),
     (["--snapshots", "0.05"], "--snapshots must lie in"),
     (["--snapshots", "0.5,0.5,1.0"], "--snapshots repeats"),
+    (["--max-halos", "0"], "--max-halos must be a positive integer"),
     (["--analyses", "knn_density", "--m200m"], "add fof to --analyses, or pass --no-m200m"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys):
