@@ -7,7 +7,6 @@ search kernel (:func:`._knn.knn_device`).
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Callable, NamedTuple
 
 import jax
