@@ -250,7 +250,7 @@ def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFCon
         if peak_density is not None:
             density, density_status = peak_density(decomposition)
         if plan.width > own.width * (1 + 1e-6):
-            decomposition, ghost_status = own.reghost(decomposition.migrated, "fof ghosts")
+            decomposition, ghost_status = own.reghost(decomposition, "fof ghosts")
         labels, catalogue = fof_on_decomposition(own, decomposition, linking_length,
                                                  min_members, config, density)
         if density_status is not None:

@@ -53,7 +53,7 @@ def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
     dist = neighbour_distances(qpos, nb, box)
     if spec.output == "neighbours":
         return {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1)}
-    data = dict(data, neighbour_mass=nb.mass)
+    data = dict(data, neighbour_mass=_masked_mass(nb))
     try:
         value = spec.reduce_fn(dist, jnp.where(nb.ok[:, None], nb.id, -1), data)
     except KeyError as error:
@@ -88,17 +88,8 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
     ext_mass = decomposition.ghosts.forward(plan.pencils, mass)
     nb, status = knn_device(plan, decomposition.ext, decomposition.ext.pos, ext_mass, spec.k,
                             spec.config, queries=queries, kth_only=spec.kth_only)
-    # A row that needed the full cross-device buffer is already marked; any other buffer
-    # that overflowed (the decomposition's or the search's) truncated data every row may
-    # have read, so no row is trusted: inside jit, all of them come back NaN / -1.
-    trusted = decomposition.fits & status.buffers_fit(skip=("knn remote",))
-    nb = nb._replace(ok=nb.ok & trusted)
-    # With every buffer fitting, a valid row left incomplete had fewer particles to find
-    # than it needs (padding or excluded ones left out): a failure, not a silent NaN.
-    valid = mig.valid if queries is None else queries[1]
-    left = psum_all(plan.pencils, jnp.sum(valid & ~nb.ok, dtype=jnp.int32))
-    fitted = decomposition.fits & status.buffers_fit()
-    status = dataclasses.replace(status, unresolved=jnp.where(fitted, left, 0))
+    nb, status = _trusted(plan, decomposition, nb, status,
+                          mig.valid if queries is None else queries[1])
     total_mass = None
     if spec.overdensity and spec.kth_only:
         # Equal masses: N m, with N counted exactly, so the mean is the same bits on every
@@ -108,6 +99,26 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
     elif spec.overdensity:
         total_mass = psum_all(plan.pencils, jnp.sum(jnp.where(mig.valid, mass, 0)))
     return nb, status, total_mass
+
+
+def _trusted(plan: Plan, decomposition: Decomposition, nb, status, valid):
+    """``(nb, status)`` with no row trusted after an overflow, and rows left short counted.
+
+    A row that needed the full cross-device buffer is already marked; any other buffer of
+    the particles (the decomposition's or the search's) that overflowed truncated data
+    every row may have read, so inside jit all rows come back NaN / -1. With every buffer
+    fitting, a ``valid`` row left incomplete had fewer particles to find than it needs
+    (padding or excluded ones left out): ``status.too_few``, not a silent NaN.
+    """
+    nb = nb._replace(ok=nb.ok & decomposition.fits & status.buffers_fit(skip=("knn remote",)))
+    short = psum_all(plan.pencils, jnp.sum(valid & ~nb.ok, dtype=jnp.int32))
+    fitted = decomposition.fits & status.buffers_fit()
+    return nb, dataclasses.replace(status, too_few=jnp.where(fitted, short, 0))
+
+
+def _masked_mass(nb):
+    """Neighbour masses (n, k), NaN in rows not completed."""
+    return jnp.where(nb.ok[:, None], nb.mass, jnp.nan)
 
 
 def self_step(plan: Plan, spec: _Spec) -> Step:
@@ -314,8 +325,9 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
     inside ``jit``, rows that could not be completed are NaN (ids -1) and
     ``with_status=True`` gives the status to check (or to thread with ``status.error_if``).
     A row is left incomplete when the cross-device buffer (``'knn remote'``) had no room
-    for it; when any other buffer overflowed, every row is NaN (ids -1): none is returned
-    finite and wrong.
+    for it, or a query point when the queries' own buffers had none; when any other
+    buffer (of the particles' decomposition or of the search) overflowed, every row is
+    NaN (ids -1, ``reduce``'s ``neighbour_mass`` NaN): none is returned finite and wrong.
     """
     output = "neighbours" if reduce is None else "reduce"
     return _run(pos, box_size, k, None, mesh, query, config, output, reduce, False, with_status,
@@ -367,8 +379,8 @@ def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | N
       or the ``reduce`` output), and the :class:`~jaxpm_halos.Status`. With ``query``:
       ``(result, status)`` for the query rows in the caller's order. No error is raised
       inside ``shard_map``: check ``status.ok`` (rows that could not be completed are NaN,
-      ids -1; all rows when a buffer other than ``'knn remote'`` overflowed, as in
-      :func:`knn`). The status covers the decomposition as well as the search.
+      ids -1; all rows when a buffer of the particles other than ``'knn remote'``
+      overflowed, as in :func:`knn`). The status covers the decomposition as well as the search.
     """
     pencils = Pencils.from_axes(axes, particles.box_size)
     n0 = particles.size if n0 is None else int(n0)
@@ -399,7 +411,7 @@ def knn_on_plan(plan: Plan, decomposition: Decomposition, k: int, config: KNNCon
     nb, status, _ = _neighbours(plan, decomposition, spec, mass=mass)
     dist = neighbour_distances(decomposition.migrated.payload["pos"], nb, plan.pencils.box_size)
     result = {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1),
-              "neighbour_mass": nb.mass, "ok": nb.ok}
+              "neighbour_mass": _masked_mass(nb), "ok": nb.ok}
     return result, status
 
 
@@ -430,8 +442,9 @@ def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int,
     order, ``dist`` (rows, k) (differentiable, NaN in padding), ``idx`` (global ids, -1 in
     padding), ``neighbour_mass`` (rows, k) and ``ok`` (rows,). ``status`` covers the
     search only (the decomposition's buffers are the caller's). ``ok`` is False (and the
-    row NaN, -1) for a row the cross-device buffer had no room for, and for every row when
-    another search buffer overflowed or ``decomposition.fits`` is False.
+    row NaN, -1, its ``neighbour_mass`` NaN) for a row the cross-device buffer had no room
+    for, and for every row when another search buffer overflowed or
+    ``decomposition.fits`` is False.
     """
     if width is None:
         width = decomposition.width

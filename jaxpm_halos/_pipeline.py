@@ -158,11 +158,12 @@ class Plan:
         status = self.status(needs, knobs, mig.nonfinite)
         return dataclasses.replace(dec, fits=status.buffers_fit()), status
 
-    def reghost(self, migrated: Migrated, name: str) -> tuple[Decomposition, Status]:
-        """Ghosts of this plan's width for already migrated particles, as buffer ``name``."""
-        dec = with_ghosts(self.pencils, migrated, self.width, self.ghost_rows)
+    def reghost(self, decomposition: Decomposition, name: str) -> tuple[Decomposition, Status]:
+        """``decomposition``'s particles with ghosts of this plan's width, as buffer
+        ``name`` (it fits where that buffer and the decomposition's own did)."""
+        dec = with_ghosts(self.pencils, decomposition.migrated, self.width, self.ghost_rows)
         status = self.status({name: dec.need_ghosts}, {name: GHOSTS})
-        return dataclasses.replace(dec, fits=status.buffers_fit()), status
+        return dataclasses.replace(dec, fits=decomposition.fits & status.buffers_fit()), status
 
     def trip(self, values, migrated: Migrated, input_rows: int):
         """Per-row ``values`` of the migrated rows back to the input rows, in one set of

@@ -93,6 +93,12 @@ def spell_config(config, keep: Knob | None = None) -> str:
     return f"{type(config).__name__}({', '.join(parts)})"
 
 
+def _grows_with(limit: Limit, other: Limit) -> bool:
+    """Whether ``other``'s buffer is grown in the same round as ``limit``'s: it holds
+    particle rows and its knob is of the same config class."""
+    return other.knob in PARTICLE_KNOBS and other.knob.owner is limit.knob.owner
+
+
 class FailureKind(enum.Enum):
     """What went wrong, with what to do about it."""
 
@@ -133,9 +139,23 @@ class Failure:
     def settings(self, margin: float = 1.0) -> dict:
         """``{knob: value that fits}`` for the overflowing knob and those of :attr:`also`."""
         settings = {self.limit.knob: self.limit.suggest(self.needed, margin)}
-        for _, limit, needed in self.also:
-            settings.setdefault(limit.knob, limit.suggest(needed, margin))
+        for _, limit, needed in self.also:  # a knob two buffers share: what both need
+            settings[limit.knob] = max(settings.get(limit.knob, 0), limit.suggest(needed, margin))
         return settings
+
+    def joined(self, others) -> "Failure":
+        """This overflow, also growing the particle buffers of its config class that the
+        overflows ``others`` (of other statuses of the same data) name, each to the most
+        any of them needs."""
+        also, names = list(self.also), {self.buffer} | {name for name, _, _ in self.also}
+        for other in others:
+            if other.kind is not FailureKind.OVERFLOW:
+                continue
+            for name, limit, needed in ((other.buffer, other.limit, other.needed), *other.also):
+                if _grows_with(self.limit, limit) and name not in names:
+                    also.append((name, limit, needed))
+                    names.add(name)
+        return dataclasses.replace(self, also=tuple(also))
 
     def grown(self, config, margin: float = 1.0):
         """``config`` with the overflowing knobs set to values that fit."""
@@ -262,7 +282,7 @@ class Status:
     label). Every such merge in the catalogue is counted, and so is a repeat inside one
     group, in the catalogue or not. Repeats that change no catalogue row can go unseen: an
     id that is no group's smallest, or two groups sharing one that are each whole on a
-    device and not both in the catalogue (they share a label only). ``unresolved`` counts
+    device and not both in the catalogue (they share a label only). ``too_few`` counts
     valid kNN rows left without k neighbours while every buffer fitted: there were fewer
     than k + 1 particles (k at query points) once padding and excluded ones were left out.
     """
@@ -273,14 +293,14 @@ class Status:
     unreplicated: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((0,), bool))
     replicated: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     repeated_ids: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
-    unresolved: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
+    too_few: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
 
     @property
     def ok(self) -> jax.Array:
         """Scalar bool: every buffer fitted, every position was finite, no ids repeated in a
         way that merged groups, every kNN row found its k neighbours, and every output
         declared replicated was the same on every device."""
-        good = ((self.nonfinite == 0) & (self.repeated_ids == 0) & (self.unresolved == 0)
+        good = ((self.nonfinite == 0) & (self.repeated_ids == 0) & (self.too_few == 0)
                 & ~jnp.any(self.unreplicated, axis=-1))
         return good & self.buffers_fit()
 
@@ -293,8 +313,8 @@ class Status:
         return good
 
     def merge(self, other: "Status") -> "Status":
-        """Both statuses' buffers (``self``'s first) and the larger exclusion and
-        repeated-id counts. A name in both must be the same buffer (the same limit)."""
+        """Both statuses' buffers (``self``'s first) and the larger exclusion,
+        repeated-id and too-few counts. A name in both must be the same buffer (the same limit)."""
         mine = dict(self.limits)
         for name, limit in other.limits:
             if name in mine and mine[name] != limit:
@@ -305,14 +325,14 @@ class Status:
                       jnp.concatenate([self.unreplicated, other.unreplicated], axis=-1),
                       self.replicated + other.replicated,
                       jnp.maximum(self.repeated_ids, other.repeated_ids),
-                      jnp.maximum(self.unresolved, other.unresolved))
+                      jnp.maximum(self.too_few, other.too_few))
 
     def renamed(self, prefix: str) -> "Status":
         """The same status with ``prefix`` before every buffer name (to merge it with a
         status of other buffers of the same names)."""
         return Status({prefix + name: value for name, value in self.needed.items()},
                       self.nonfinite, tuple((prefix + name, limit) for name, limit in self.limits),
-                      self.unreplicated, self.replicated, self.repeated_ids, self.unresolved)
+                      self.unreplicated, self.replicated, self.repeated_ids, self.too_few)
 
     def failure(self) -> Failure | None:
         """Host-side: the first failure, or None when all is well."""
@@ -324,9 +344,9 @@ class Status:
         repeated = int(np.max(np.asarray(self.repeated_ids)))
         if repeated:
             return Failure(FailureKind.REPEATED_IDS, repeated)
-        unresolved = int(np.max(np.asarray(self.unresolved)))  # counted only when all fitted
-        if unresolved:
-            return Failure(FailureKind.TOO_FEW, unresolved)
+        too_few = int(np.max(np.asarray(self.too_few)))  # counted only when all fitted
+        if too_few:
+            return Failure(FailureKind.TOO_FEW, too_few)
         needs = {name: int(np.max(np.asarray(self.needed[name]))) for name, _ in self.limits}
         def knob_need(limit: Limit) -> int:
             """Rows of ``limit``'s buffer for which every buffer sharing its knob fits: the
@@ -341,8 +361,8 @@ class Status:
                 continue
             also = tuple((later, other, knob_need(other))
                          for later, other in self.limits[position + 1:]
-                         if needs[later] > other.rows and other.knob in PARTICLE_KNOBS
-                         and other.knob.owner is limit.knob.owner and other.knob != limit.knob)
+                         if needs[later] > other.rows and _grows_with(limit, other)
+                         and other.knob != limit.knob)
             return Failure(FailureKind.OVERFLOW, needs[name], name, limit, knob_need(limit),
                            last=position + 1 == len(self.limits), also=also)
         if not self.replicated:

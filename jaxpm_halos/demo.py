@@ -750,8 +750,8 @@ def main(argv=None) -> int:
     except CapacityError as error:
         if error.failure.limit.knob != MAX_HALOS:
             raise
-        parser.error(f"{error} Here: rerun with --max-halos "
-                     f"{error.failure.settings()[MAX_HALOS]}")
+        raise SystemExit(f"{error} Here: rerun with --max-halos "
+                         f"{error.failure.settings()[MAX_HALOS]}") from None
     t_off, t_snap = _time_analyses(result, args.timing, say)
 
     if lead:

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._catalogue import insitu_units
-from ._config import PARTICLE_KNOBS, DomainConfig, FoFConfig, KNNConfig, SOConfig
+from ._config import DomainConfig, FoFConfig, KNNConfig, SOConfig
 from ._domain import Decomposition
 from ._fof import linking_length_misfit, widest_linking_length
 from ._halos import Extras, check_centre, halo_step, peak_densities, so_request
@@ -532,17 +532,7 @@ def _first_failure(outputs):
     failures = [f for f in failures if f is not None]
     if not failures or failures[0].kind is not FailureKind.OVERFLOW:
         return failures[0] if failures else None
-    first = failures[0]
-    also, knobs = list(first.also), {first.limit.knob} | {lim.knob for _, lim, _ in first.also}
-    for other in failures[1:]:
-        if other.kind is not FailureKind.OVERFLOW:
-            continue
-        for name, limit, needed in ((other.buffer, other.limit, other.needed), *other.also):
-            if (limit.knob.owner is first.limit.knob.owner and limit.knob in PARTICLE_KNOBS
-                    and limit.knob not in knobs):
-                also.append((name, limit, needed))
-                knobs.add(limit.knob)
-    return dataclasses.replace(first, also=tuple(also))
+    return failures[0].joined(failures[1:])
 
 
 def _error(failure, insitu: "InSitu | None") -> Exception:

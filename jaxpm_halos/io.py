@@ -29,7 +29,8 @@ process 0 opens the file. With one process it is a plain copy to host memory. On
 snapshot, rows sorted by id, keeps the layout independent of the number of hosts and
 devices: a 2-host run's file holds the same halos, ids, counts and equal-mass masses bit for
 bit as a 1-host one; centres, velocities and radii (means summed in an order the mesh sets)
-agree to float32 rounding.
+agree to the working precision's rounding, and SO values about those centres can differ
+where that rounding moves a particle across the SO boundary.
 """
 
 from __future__ import annotations
@@ -345,8 +346,8 @@ def _units(catalogue, units) -> dict:
                 "the units of its inputs; only an InSitu catalogue carries them): pass "
                 "units={field: unit}, e.g. dict(jaxpm_halos.io.INSITU_UNITS) for positions "
                 "in Mpc/h, masses in Msun/h and velocities in km/s, with 'mass': "
-                "'particles' for unit masses, and an entry per SO dataset ('m200c': "
-                "'Msun/h', 'r200c': 'Mpc/h (comoving)')")
+                "'particles' for unit masses (SO masses and radii take the units of "
+                "'mass' and 'pos' unless named)")
     return {str(k): str(v) for k, v in dict(units).items()}
 
 

@@ -648,18 +648,18 @@ def test_overflow_of_fofs_own_ghost_layer_names_a_setting_that_fits():
 
 def test_check_grows_what_every_analysis_saw_overflow_in_one_suggestion():
     """FoF's status saw the ghosts overflow, kNN's (another ghost buffer of the same
-    decomposition) the z images too: the suggestion left image_factor as it was, so the
-    pasted fix met the images' overflow one rerun later."""
+    decomposition) needed more of them and the z images too: the suggestion left
+    image_factor as it was, so the pasted fix met the images' overflow one rerun later."""
     from jaxpm_halos._config import GHOSTS, IMAGES
     from jaxpm_halos._status import Limit, Status
 
     fof = Status({"fof ghosts": jnp.int32(300)}, jnp.int32(0),
                  (("fof ghosts", Limit(GHOSTS, 100, 1000.0)),))
-    knn = Status({"ghosts": jnp.int32(150), "z images": jnp.int32(900)}, jnp.int32(0),
+    knn = Status({"ghosts": jnp.int32(450), "z images": jnp.int32(900)}, jnp.int32(0),
                  (("ghosts", Limit(GHOSTS, 100, 1000.0)), ("z images", Limit(IMAGES, 50, 1000.0))))
     with pytest.raises(jaxpm_halos.CapacityError) as error:
         check({"fof": fof, "knn_density": knn})
-    assert ("Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3, image_factor=0.9))."
+    assert ("Rerun with InSitu(domain=DomainConfig(ghost_factor=0.45, image_factor=0.9))."
             in str(error.value)), str(error.value)
 
 

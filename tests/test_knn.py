@@ -591,6 +591,9 @@ def test_overflow_inside_jit_leaves_no_row_plausible(clustered):
     rho, status = jax.jit(lambda p: jh.knn_density(p, BOX, 8, config=small,
                                                    with_status=True))(x)
     assert not bool(status.ok) and np.isnan(np.asarray(rho)).all()
+    summed = lambda dist, idx, data: data["neighbour_mass"].sum(axis=1)  # noqa: E731
+    masses = jax.jit(lambda p: jh.knn(p, BOX, 8, config=small, reduce=summed))(x)
+    assert np.isnan(np.asarray(masses)).all()
 
 
 @pytest.mark.parametrize("kwargs, message", [
