@@ -324,7 +324,7 @@ def _so_definition(name: str, kind: str, centre: str) -> str:
     """The ``definition`` attribute of SO dataset ``m<name>`` or ``r<name>``."""
     from .units import so_density
 
-    try:
+    try:  # so_density is the one parser of definition names; any valid omega_m will do
         so_density(name, omega_m=0.3)
         threshold = f"threshold jaxpm_halos.units.so_density({name!r}) at the snapshot's a"
     except ValueError:
