@@ -89,7 +89,9 @@ class Catalogue:
       status: buffer needs of the whole computation (see :class:`~jaxpm_halos.Status`).
       peak: (…, 3) density-peak centre, the position of the member with the highest kNN
         density (ties to the smallest id), or None (``centre="peak"`` computes it). Its
-        gradient is that member's position's, the choice of member held fixed.
+        gradient is that member's position's, the choice of member held fixed. NaN (and
+        SO about it NaN) where no member's density was computed: a kNN buffer overflowed
+        inside ``jit``, which the status reports.
       so: spherical-overdensity masses and radii about the catalogue's SO centre (``peak``
         with ``centre="peak"``, else ``pos``), e.g. ``{"m200c": …, "r200c": …}``, or
         None. See :func:`jaxpm_halos.spherical_overdensity` for the definition; masses
@@ -287,8 +289,11 @@ def _combine(rows, n, box, min_members, halo_rows, common):
         fields["vel"] = undefined(ref_vel + relative)
         fields["vel_disp"] = undefined(jnp.sqrt(jnp.maximum(w / safe, 0) / 3))
     if "peak_pos" in rows:
-        densest = valid & _highest(rows["peak_density"], rows["peak_id"], seg, halo_rows)
-        fields["peak"] = jnp.zeros((halo_rows, 3), rows["peak_pos"].dtype).at[
+        densest = valid & (rows["peak_density"] > -jnp.inf) & _highest(
+            rows["peak_density"], rows["peak_id"], seg, halo_rows)
+        # A group none of whose members has a density (the kNN overflowed inside jit) has
+        # no peak: NaN, not the origin, so SO about it is NaN too (the status says why).
+        fields["peak"] = jnp.full((halo_rows, 3), jnp.nan, rows["peak_pos"].dtype).at[
             jnp.where(densest, seg, halo_rows)].set(rows["peak_pos"], mode="drop")
     keep = count >= min_members
     picked, num = selection(keep, halo_rows)

@@ -157,6 +157,12 @@ class Failure:
                     names.add(name)
         return dataclasses.replace(self, also=tuple(also))
 
+    @property
+    def beyond_bound(self) -> bool:
+        """Whether the overflowing knob would have to exceed its bound (no setting fits)."""
+        return (self.limit is not None and self.limit.most is not None
+                and self.limit.unbounded(self.needed) > self.limit.most)
+
     def grown(self, config, margin: float = 1.0):
         """``config`` with the overflowing knobs set to values that fit."""
         for knob, value in self.settings(margin).items():
@@ -194,7 +200,7 @@ class Failure:
                     "the snapshot's mesh axes (snap.pencils.x_axis and y_axis, e.g. "
                     "lax.psum), or declare it 'device' to get every device's value.")
         knob = self.limit.knob
-        if self.limit.most is not None and self.limit.unbounded(self.needed) > self.limit.most:
+        if self.beyond_bound:
             return (f"jaxpm_halos: buffer '{self.buffer}' needs {knob} = "
                     f"{self.limit.unbounded(self.needed)!r}, but it can be at most "
                     f"{self.limit.most:.3g} here: {self.limit.beyond}")

@@ -35,6 +35,7 @@ This module imports jaxpm, jaxdecomp, jax_cosmo and diffrax; ``import jaxpm_halo
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import io
@@ -654,6 +655,10 @@ def _parse_args(argv):
                         help="catalogue rows per device (FoFConfig.max_halos; default "
                              "max(1024, particles per device / 16)); a small --min-members "
                              "may need more")
+    parser.add_argument("--buffers", action="append", default=[], metavar="FIELD=CONFIG",
+                        help="an InSitu buffer setting as a capacity error spells it, e.g. "
+                             "'domain=DomainConfig(capacity_factor=3.0)' (fields domain, fof, "
+                             "knn); may be repeated")
     parser.add_argument("--k", type=int, default=16, help="neighbours for the kNN density (default 16)")
     parser.add_argument("--analyses", default="fof,knn_density",
                         help="registered analyses to run in situ (default fof,knn_density)")
@@ -689,12 +694,65 @@ def _parse_args(argv):
             parser.error(f"--mesh must be two integers 'px,py', got {args.mesh!r}")
         if len(args.mesh) != 2 or min(args.mesh) < 1:
             parser.error(f"--mesh must be two positive integers 'px,py', got {args.mesh}")
+    try:
+        args.buffers = _parse_buffers(args.buffers)
+    except (ValueError, TypeError, SyntaxError) as error:
+        parser.error(f"--buffers: {error}")
     with_fof = "fof" in args.analyses.split(",")
     if args.m200m and not with_fof:
         parser.error("--m200m measures the FoF haloes: add fof to --analyses, or pass "
                      "--no-m200m")
     args.m200m = with_fof if args.m200m is None else args.m200m
     return parser, args, snapshots, args.pm_factor * args.nc
+
+
+def _parse_buffers(values: Sequence[str]) -> dict:
+    """``--buffers`` values, ``"field=Config(knob=value, ...)"`` as a capacity error spells
+    an ``InSitu`` keyword, as ``{field: config}``. Only config classes and literal values
+    are read (nothing is evaluated)."""
+    from . import _config
+
+    classes = {cls.__name__: cls for cls in (_config.DomainConfig, _config.FoFConfig,
+                                             _config.KNNConfig, _config.SOConfig)}
+    fields = {"domain": _config.DomainConfig, "fof": _config.FoFConfig,
+              "knn": _config.KNNConfig}
+
+    def build(node):
+        if not isinstance(node, ast.Call):
+            return ast.literal_eval(node)
+        if not isinstance(node.func, ast.Name) or node.func.id not in classes or node.args:
+            raise ValueError(f"expected one of {sorted(classes)} with keyword arguments, got "
+                             f"{ast.unparse(node)!r}")
+        return classes[node.func.id](**{kw.arg: build(kw.value) for kw in node.keywords})
+
+    buffers = {}
+    for value in values:
+        field, _, text = value.partition("=")
+        field = field.strip()
+        if field not in fields:
+            raise ValueError(f"{value!r} must start with one of {sorted(fields)} and '='")
+        config = build(ast.parse(text.strip(), mode="eval").body)
+        if type(config) is not fields[field]:
+            raise ValueError(f"{field}= takes a {fields[field].__name__}, got {text.strip()!r}")
+        buffers[field] = config
+    return buffers
+
+
+def _rerun_hint(failure, insitu) -> str:
+    """What to pass the demo for a capacity ``failure`` of its in-situ run: ``--max-halos``
+    for the catalogue's rows, else ``--buffers`` with the whole grown config ('' when no
+    setting fits)."""
+    from ._config import MAX_HALOS
+    from ._status import spell_config
+    from .extension import insitu_config
+
+    if failure.beyond_bound:
+        return ""
+    settings = failure.settings()
+    if list(settings) == [MAX_HALOS]:
+        return f" Here: rerun with --max-halos {settings[MAX_HALOS]}"
+    attr, config = insitu_config(failure, insitu)
+    return f" Here: rerun with --buffers '{attr}={spell_config(failure.grown(config))}'"
 
 
 def main(argv=None) -> int:
@@ -706,7 +764,7 @@ def main(argv=None) -> int:
     from jax.sharding import AxisType
 
     from . import units
-    from ._config import MAX_HALOS, FoFConfig
+    from ._config import DomainConfig, FoFConfig, KNNConfig
     from ._status import CapacityError
     from .extension import REGISTRY, InSitu, check
 
@@ -724,12 +782,16 @@ def main(argv=None) -> int:
     cosmology = demo_cosmology()
     omega_m = cosmology["Omega_c"] + cosmology["Omega_b"]
     mass = units.particle_mass(omega_m, args.box, args.nc)
+    fof = args.buffers.get("fof", FoFConfig())
+    if args.max_halos is not None:
+        fof = dataclasses.replace(fof, max_halos=args.max_halos)
     insitu = InSitu(box_size=args.box, analyses=analyses, b=args.b, min_members=args.min_members,
                     k=args.k, omega_m=omega_m, overdensity=True,
                     paint_absolute_pos=pm_nc != args.nc, pm_nc=pm_nc,
                     so=("200m",) if args.m200m else (),
                     centre=args.centre if args.m200m else "com",
-                    fof=FoFConfig(max_halos=args.max_halos))
+                    domain=args.buffers.get("domain", DomainConfig()),
+                    knn=args.buffers.get("knn", KNNConfig()), fof=fof)
     lead = jax.process_index() == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if lead else (lambda *a, **k: None)
     say(f"jaxpm_halos demo: {args.nc}^3 particles ({mass:.3g} Msun/h each), box {args.box:g} "
@@ -748,10 +810,7 @@ def main(argv=None) -> int:
     try:  # raises, naming the knob, if any buffer overflowed at any snapshot
         check(result.saved, insitu)
     except CapacityError as error:
-        if error.failure.limit.knob != MAX_HALOS:
-            raise
-        raise SystemExit(f"{error} Here: rerun with --max-halos "
-                         f"{error.failure.settings()[MAX_HALOS]}") from None
+        raise SystemExit(f"{error}{_rerun_hint(error.failure, insitu)}") from None
     t_off, t_snap = _time_analyses(result, args.timing, say)
 
     if lead:

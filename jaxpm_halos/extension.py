@@ -538,10 +538,16 @@ def _first_failure(outputs):
 def _error(failure, insitu: "InSitu | None") -> Exception:
     if failure.limit is None:
         return failure.error()
+    attr, config = insitu_config(failure, insitu)
+    return failure.error(config, f"InSitu({attr}={{}})")
+
+
+def insitu_config(failure, insitu: "InSitu | None") -> tuple[str, object]:
+    """``(attr, config)``: the ``InSitu`` field holding the overflowing knob of ``failure``
+    and the config it ran with (the default one without ``insitu``)."""
     owner = failure.limit.knob.owner
     attr = "fof" if owner is SOConfig else _CONFIG_FIELD[owner]  # SO settings: fof.so
-    config = getattr(insitu, attr) if insitu is not None else _CONFIG_CLASS[attr]()
-    return failure.error(config, f"InSitu({attr}={{}})")
+    return attr, getattr(insitu, attr) if insitu is not None else _CONFIG_CLASS[attr]()
 
 
 def _spelling(insitu: InSitu) -> str:

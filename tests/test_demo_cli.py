@@ -34,3 +34,50 @@ def test_m200m_follows_fof_unless_asked():
     _, args, snapshots, pm_nc = _parse_args(["--mesh", "4,2", "--nc", "32", "--pm-factor", "2",
                                              "--snapshots", "1.0,0.5"])
     assert args.mesh == (4, 2) and snapshots == [0.5, 1.0] and pm_nc == 64
+
+
+def test_buffers_take_a_capacity_errors_settings():
+    """--buffers reads an InSitu keyword as a capacity error spells it (config classes and
+    literals only, nothing evaluated)."""
+    import jaxpm_halos as jh
+
+    args = _parse_args(["--buffers", "domain=DomainConfig(capacity_factor=3.0)",
+                        "--buffers", "fof = FoFConfig(max_halos=10, so=SOConfig(levels=5))"])[1]
+    assert args.buffers == {"domain": jh.DomainConfig(capacity_factor=3.0),
+                            "fof": jh.FoFConfig(max_halos=10, so=jh.SOConfig(levels=5))}
+    assert _parse_args([])[1].buffers == {}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("dom=DomainConfig()", "must start with one of ['domain', 'fof', 'knn']"),
+    ("knn=FoFConfig()", "knn= takes a KNNConfig"),
+    ("fof=__import__('os').getcwd()", "expected one of"),
+    ("domain=DomainConfig(capacity=3)", "unexpected keyword"),
+    ("domain=DomainConfig(capacity_factor=3", "--buffers"),
+])
+def test_bad_buffers_are_usage_errors(value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_args(["--buffers", value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_capacity_errors_hint_pastes_into_the_demo():
+    """The demo's hint for an overflow is a flag it takes, and reading it back gives the
+    grown config with the run's other settings kept."""
+    import jaxpm_halos as jh
+    from jaxpm_halos._config import CAPACITY, MAX_HALOS
+    from jaxpm_halos._status import Failure, FailureKind, Limit
+    from jaxpm_halos.demo import _rerun_hint
+
+    insitu = jh.InSitu(box_size=64.0, domain=jh.DomainConfig(ghost_factor=0.4))
+    failure = Failure(FailureKind.OVERFLOW, 900, "exchange", Limit(CAPACITY, 512, 256.0), 900)
+    hint = _rerun_hint(failure, insitu)
+    flag = hint.split("--buffers ")[1].strip("'")
+    assert _parse_args(["--buffers", flag])[1].buffers == {
+        "domain": jh.DomainConfig(capacity_factor=3.52, ghost_factor=0.4)}
+    rows = Failure(FailureKind.OVERFLOW, 4208, "halos", Limit(MAX_HALOS, 1024), 4208)
+    assert _rerun_hint(rows, insitu) == " Here: rerun with --max-halos 4208"
+    bounded = Failure(FailureKind.OVERFLOW, 900, "exchange", Limit(CAPACITY, 512, 256.0, most=2.0),
+                      900)
+    assert _rerun_hint(bounded, insitu) == ""

@@ -389,6 +389,28 @@ def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     assert np.all(got["m200"] >= got["m1000"]) and np.all(got["m200"] > 12)
 
 
+def test_peaks_after_a_knn_overflow_inside_jit_are_nan(planted):
+    """Inside jit the peaks' kNN overflowed (status failed), and every group's peak was
+    the origin, with a finite SO mass about it (118 particles): plausible and wrong. No
+    member has a density then, so the peak and SO are NaN; outside jit the same call
+    grows the buffer and gives the peaks."""
+    mesh = make_mesh((2, 4))
+    pos, spots, _ = planted
+    x = jax.device_put(jnp.asarray(pos), NamedSharding(mesh, P(mesh.axis_names)))
+    small = jh.FoFConfig(knn=jh.KNNConfig(index_factor=0.5))
+    run = lambda p: jh.fof(p, BOX, b=0.2, min_members=50, so={"200": 200 * RHO_MEAN},  # noqa: E731
+                           centre="peak", k=8, config=small)
+    _, cat = jax.jit(run)(x)
+    assert cat.status.failure().buffer == "peak knn index"
+    rows = np.asarray(cat.id) >= 0
+    assert rows.sum() == len(spots)
+    assert np.isnan(np.asarray(cat.peak)[rows]).all()
+    assert np.isnan(np.asarray(cat.so["m200"])[rows]).all()
+    with pytest.warns(jh.GrowthWarning):
+        _, grown = run(x)
+    assert bool(grown.status.ok) and np.isfinite(grown.to_numpy()["peak"]).all()
+
+
 @pytest.mark.slow
 def test_peak_gradient_is_the_densest_members_and_so_gradients_are_zero(planted):
     """d peak / d positions is the identity on the densest member (the choice held fixed)
