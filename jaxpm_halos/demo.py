@@ -619,8 +619,7 @@ def _host(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _parse_args(argv):
-    """The command line: ``(parser, args, snapshots (sorted), pm_nc)``."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxpm_halos.demo",
         description="A distributed JaxPM run with in-situ FoF halo finding and kNN density "
@@ -669,6 +668,12 @@ def _parse_args(argv):
                              "(default snapshot)")
     parser.add_argument("--out", default="halos_out",
                         help="output folder for the catalogues and plots (default halos_out)")
+    return parser
+
+
+def _parse_args(argv):
+    """The command line: ``(parser, args, snapshots (sorted), pm_nc)``."""
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         snapshots = sorted(float(v) for v in args.snapshots.split(","))
