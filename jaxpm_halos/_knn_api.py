@@ -22,7 +22,8 @@ from ._geometry import wrap
 from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances, overdensity
 from ._layout import Pencils
 from ._particles import Particles
-from ._pipeline import JitProgram, Plan, Step, analyse, on_device, plan_for, run_sharded
+from ._pipeline import (JitProgram, Plan, Step, analyse, blank_rows, on_device, plan_for,
+                        run_sharded)
 from ._retry import run_growing
 from ._status import is_traced, refuse_nonfinite_points
 
@@ -70,7 +71,9 @@ def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
             raise ValueError(f"knn's reduce fn must return per-row arrays, with the leading "
                              f"axis of its dist argument ({dist.shape[0]} rows on a device); "
                              f"output {jax.tree_util.keystr(path) or 'value'} has shape {shape}")
-    return {"value": value}
+    # A row not completed (overflow or too few inside jit) gave the fn partial neighbours;
+    # whatever it made of them is blanked rather than returned finite and wrong.
+    return {"value": blank_rows(value, nb.ok)}
 
 
 def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None, queries=None):
@@ -306,7 +309,8 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
         ``data``, a dict of ``(n, ...)`` arrays: ``pos``, ``id``, ``mass`` (and ``vel``) of
         the particles (``pos`` only for query points) and ``neighbour_mass`` ``(n, k)``. Its
         per-row outputs (leading axis ``n``) are returned instead of ``(dist, idx)``; rows
-        of non-finite positions carry NaN (floats) or -1 (integers).
+        of non-finite positions, and rows not completed inside ``jit`` (below), carry NaN
+        (floats), -1 (integers) or False (booleans), whatever the fn made of them.
       config: :class:`~jaxpm_halos.KNNConfig`.
       with_status: also return the :class:`~jaxpm_halos.Status`.
       grow: outside ``jit``, grow a buffer that overflowed and run again (see
@@ -327,7 +331,7 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
     A row is left incomplete when the cross-device buffer (``'knn remote'``) had no room
     for it, or a query point when the queries' own buffers had none; when any other
     buffer (of the particles' decomposition or of the search) overflowed, every row is
-    NaN (ids -1, ``reduce``'s ``neighbour_mass`` NaN): none is returned finite and wrong.
+    NaN (ids -1, ``reduce``'s outputs blank as above): none is returned finite and wrong.
     """
     output = "neighbours" if reduce is None else "reduce"
     return _run(pos, box_size, k, None, mesh, query, config, output, reduce, False, with_status,
@@ -341,8 +345,9 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
 
     ``r_k`` is the distance to the k-th nearest other particle (nearest particle for query
     points). With per-particle masses, ``(k - 1) m`` is the mass of the k - 1 nearest
-    neighbours. ``overdensity=True`` returns ``rho / rho_mean - 1`` with ``rho_mean`` the
-    total mass over ``box_size**3``. Needs ``k >= 2``. Masses must be finite and >= 0:
+    neighbours (``mass`` given here is used instead of a Particles' own; left out, the
+    Particles' masses, or 1). ``overdensity=True`` returns ``rho / rho_mean - 1`` with
+    ``rho_mean`` the total mass over ``box_size**3``. Needs ``k >= 2``. Masses must be finite and >= 0:
     outside ``jit`` others raise :class:`~jaxpm_halos.InvalidInputError`; inside, their
     particles are excluded and counted like non-finite positions, and a total mass of zero
     gives NaN overdensities. Other arguments and the rows left NaN inside ``jit`` as

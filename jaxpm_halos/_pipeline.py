@@ -174,15 +174,24 @@ class Plan:
         back, arrived = unpack(return_trip(self.pencils, packed, migrated.payload["origin"],
                                            migrated.count, input_rows, self.transfer_rows,
                                            self.capacity_rows))
-        return jax.tree.map(lambda a: _fill_missing(a, arrived), back)
+        return blank_rows(back, arrived)
 
 
-def _fill_missing(a, arrived):
-    mask = arrived.reshape(arrived.shape + (1,) * (a.ndim - 1))
-    if jnp.issubdtype(a.dtype, jnp.floating):
+def blank_rows(tree, kept):
+    """Every leaf of ``tree`` (rows along axis 0) with the rows where ``kept`` (n,) is
+    False set to NaN for floats, -1 for integers (the largest value for unsigned ones) and
+    False for booleans: never a value that looks right."""
+    return jax.tree.map(lambda a: _blank(a, kept), tree)
+
+
+def _blank(a, kept):
+    mask = kept.reshape(kept.shape + (1,) * (a.ndim - 1))
+    if jnp.issubdtype(a.dtype, jnp.inexact):
         fill = jnp.nan
     elif a.dtype == jnp.bool_:
         fill = False
+    elif jnp.issubdtype(a.dtype, jnp.unsignedinteger):
+        fill = jnp.iinfo(a.dtype).max
     else:
         fill = -1
     return jnp.where(mask, a, jnp.asarray(fill, a.dtype))

@@ -596,6 +596,36 @@ def test_overflow_inside_jit_leaves_no_row_plausible(clustered):
     assert np.isnan(np.asarray(masses)).all()
 
 
+def _row_summary(dist, idx, data):
+    """A reduce whose outputs are finite on any neighbours, complete or not."""
+    near = dist < 2.0
+    return {"count": near.sum(axis=1), "any": near.any(axis=1),
+            "mean": jnp.nan_to_num(dist).mean(axis=1), "first": jnp.maximum(idx[:, 0], 0)}
+
+
+@pytest.mark.parametrize("config", [jh.KNNConfig(ghost_width=0.5),
+                                    jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=1.2))],
+                         ids=["knn-remote", "domain-capacity"])
+def test_reduce_rows_not_completed_inside_jit_are_blank(clustered, unsharded, config):
+    # A reduce turns partial neighbours into finite values (a count, a flag, an index) that
+    # look right; the rows not completed come back NaN / -1 / False, the others exact.
+    x = _shard(make_mesh((2, 4)), clustered)
+    out, status = jax.jit(lambda p: jh.knn(p, BOX, 8, config=config, reduce=_row_summary,
+                                           with_status=True))(x)
+    assert not bool(status.ok)
+    out = {key: np.asarray(value) for key, value in out.items()}
+    blank = np.isnan(out["mean"])
+    assert blank.any()
+    assert (out["count"][blank] == -1).all() and (out["first"][blank] == -1).all()
+    assert not out["any"][blank].any()
+    want = _row_summary(*unsharded, None)
+    for key in ("count", "any", "first"):
+        np.testing.assert_array_equal(out[key][~blank], np.asarray(want[key])[~blank], key)
+    # the same distances, summed in an order jit may change
+    np.testing.assert_allclose(out["mean"][~blank], np.asarray(want["mean"])[~blank],
+                               rtol=4 * EPS)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(k=0), "at least 1"),
     (dict(k=N), "k \\+ 1"),
