@@ -265,7 +265,8 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       b: alternatively, the linking length in units of the mean separation ``L / N^(1/3)``
         (``L / nc`` for grids).
       vel, mass: optional velocities (same shape as ``pos``) and masses (scalar or per
-        particle, finite and >= 0) for the catalogue; taken from Particles when present.
+        particle, finite and >= 0) for the catalogue; taken from Particles when left
+        out (one given here is used instead of the Particles' own).
         Inside ``jit``, particles with a bad mass are excluded and counted like non-finite
         positions.
       min_members: smallest group that enters the catalogue (an integer >= 1).

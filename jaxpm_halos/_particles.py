@@ -65,6 +65,10 @@ class Particles:
             pos = pos.astype(jnp.float32)
         shape = pos.shape[:-1]
         size = int(jnp.size(pos) // 3)
+        num = _checked_num(num, size)
+        _check_row_field("vel", vel, shape + (3,))
+        if jnp.ndim(mass):
+            _check_row_field("mass", mass, shape)
         if id is None:
             id = jnp.arange(size, dtype=jnp.int32).reshape(shape)
         else:
@@ -104,7 +108,25 @@ class Particles:
                                    id=jnp.where(valid, self.id, -1), mass=mass)
 
 
-ID_MAX = int(np.iinfo(np.int32).max) - 1  # the int32 maximum marks "no id" in the kernels
+INT32_MAX = int(np.iinfo(np.int32).max)
+ID_MAX = INT32_MAX - 1  # the int32 maximum marks "no id" in the kernels
+
+
+def _checked_num(num, size: int):
+    """``num`` refused unless an integer in ``[0, size]``; a traced one passes unchecked."""
+    if num is None or isinstance(num, jax.core.Tracer):
+        return num
+    if np.ndim(num) or not np.issubdtype(np.asarray(num).dtype, np.integer):
+        raise ValueError(f"num (the number of valid rows) must be an integer scalar, got {num!r}")
+    return _check_integer("num (the number of valid rows)", int(num), 0, size)
+
+
+def _check_row_field(name: str, value, shape: tuple) -> None:
+    """Raise unless the per-row field ``value`` (or None) has ``shape``: a broadcast or a
+    truncation would pair rows with the wrong particles."""
+    if value is not None and tuple(jnp.shape(value)) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (the positions' rows), "
+                         f"got {tuple(jnp.shape(value))}")
 
 
 def _checked_ids(id, shape, num):
@@ -167,11 +189,14 @@ def check_scale_factor(a) -> None:
         raise ValueError(f"the scale factor a must be positive and finite, got {a}")
 
 
-def _check_integer(name: str, value, minimum: int) -> int:
+def _check_integer(name: str, value, minimum: int, maximum: int = INT32_MAX) -> int:
     """``value`` as an int, raising a ValueError naming ``name`` unless it is an integer
-    (``int`` or a numpy integer; not a bool, a float or a string) of at least ``minimum``."""
+    (``int`` or a numpy integer; not a bool, a float or a string) in ``[minimum, maximum]``
+    (by default, what the kernels' int32 can hold)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
     return int(value)

@@ -293,6 +293,31 @@ def test_fof_requires_an_integer_min_members(min_members):
         jh.fof(true, BOX, LINK, min_members=min_members)
 
 
+def test_min_members_beyond_int32_is_refused_by_name():
+    # not JAX's OverflowError from casting it into the kernels
+    _, true = _far_layout()
+    with pytest.raises(ValueError, match=r"min_members must be at most 2147483647"):
+        jh.fof(true, BOX, LINK, min_members=2**31)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num=65), r"num \(the number of valid rows\) must be at most 64, got 65"),
+    (dict(num=-1), r"must be at least 0, got -1"),
+    (dict(num=2.5), r"num \(the number of valid rows\) must be an integer scalar, got 2.5"),
+    (dict(num=np.array([3, 4])), r"must be an integer scalar"),
+    (dict(vel=np.zeros((64, 2))), r"vel must have shape \(64, 3\).*got \(64, 2\)"),
+    (dict(mass=np.ones(65)), r"mass must have shape \(64,\).*got \(65,\)"),
+    (dict(mass=np.ones((64, 1))), r"mass must have shape \(64,\).*got \(64, 1\)"),
+])
+def test_particles_refuse_a_num_or_row_field_that_does_not_fit_the_rows(kwargs, message):
+    # Each was taken before: num truncated or clipped, vel and mass broadcast or cut.
+    pos = np.random.default_rng(4).uniform(0, 10.0, (64, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match=message):
+        jh.Particles.create(pos, 10.0, **kwargs)
+    fine = dict(num=np.int64(64), vel=np.zeros((64, 3)), mass=np.ones(64))
+    assert int(jh.Particles.create(pos, 10.0, **fine).num) == 64
+
+
 def test_velocities_and_masses_may_be_lists():
     _, true = _far_layout()
     rng = np.random.default_rng(9)
