@@ -393,8 +393,12 @@ def _attr(value, name: str = "attribute"):
     """``value`` as HDF5 stores it: a number or string, or a numeric / string array."""
     if isinstance(value, (str, bytes, bool, int, float)):
         return value
-    value = np.asarray(value)
+    given, value = value, np.asarray(value)
     if value.dtype.kind == "U":  # h5py stores str arrays as variable-length strings
+        if not all(isinstance(item, str) for item in np.asarray(given, object).reshape(-1)):
+            # numpy made the numbers strings: they would read back as text
+            raise ValueError(f"{name}: an array attribute holds numbers or strings, not "
+                             f"both; got {given!r}")
         import h5py
 
         value = value.astype(h5py.string_dtype())

@@ -152,6 +152,8 @@ def test_load_rejects_other_files(tmp_path):
     (dict(attrs={"note": None}), r"attrs\['note'\]: HDF5 attributes hold numbers"),
     (dict(attrs={"note": {"x": 1}}), r"attrs\['note'\]"),
     (dict(cosmology={"h": None}), r"cosmology\['h'\]"),
+    # numpy would make the number a string, read back as text
+    (dict(cosmology={"w": [-1.0, "wa"]}), r"cosmology\['w'\]: .* numbers or strings, not both"),
 ])
 def test_bad_settings_raise_before_any_file_is_made(tmp_path, change, message):
     cat = _catalogue(np.random.default_rng(4), 5)
