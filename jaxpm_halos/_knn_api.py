@@ -347,10 +347,10 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
     points). With per-particle masses, ``(k - 1) m`` is the mass of the k - 1 nearest
     neighbours (``mass`` given here is used instead of a Particles' own; left out, the
     Particles' masses, or 1). ``overdensity=True`` returns ``rho / rho_mean - 1`` with
-    ``rho_mean`` the total mass over ``box_size**3``. Needs ``k >= 2``. Masses must be finite and >= 0:
-    outside ``jit`` others raise :class:`~jaxpm_halos.InvalidInputError`; inside, their
-    particles are excluded and counted like non-finite positions, and a total mass of zero
-    gives NaN overdensities. Other arguments and the rows left NaN inside ``jit`` as
+    ``rho_mean`` the total mass over ``box_size**3``. Needs ``k >= 2``. Masses must be
+    finite and >= 0: outside ``jit`` others raise :class:`~jaxpm_halos.InvalidInputError`;
+    inside, their particles are excluded and counted like non-finite positions, and a
+    total mass of zero gives NaN overdensities. Other arguments and the rows left NaN inside ``jit`` as
     :func:`knn`.
     """
     return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
