@@ -249,9 +249,15 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
 def _dense(particles: Particles) -> Particles:
     """``particles``, which the public calls take row for row (every row a particle):
     padded ones (``num`` below their rows, e.g. from ``Particles.create(num=...)``) raise
-    outside ``jit``; inside, ``num`` is not known and the caller must pass dense ones."""
+    outside ``jit``. Inside, ``num`` may not be known: rows at or after it get NaN
+    positions, so they are left out and counted like non-finite ones (the status fails)
+    rather than read as particles at the origin."""
     num = particles.num
-    if not is_traced((num,)) and int(num) != particles.size:
+    if is_traced((num,)):
+        padding = ~particles.valid().reshape(particles.shape)
+        return dataclasses.replace(particles, pos=jnp.where(
+            padding[..., None], jnp.asarray(jnp.nan, particles.pos.dtype), particles.pos))
+    if int(num) != particles.size:
         raise ValueError(
             f"these Particles hold {int(num)} particles in {particles.size} rows (the rows "
             f"from {int(num)} on are padding), but the public calls take every row as a "

@@ -178,16 +178,15 @@ class Failure:
         if self.kind is FailureKind.NONFINITE:
             return (f"jaxpm_halos: {self.count} particle positions (or masses, query points "
                     "or SO centres) are NaN, inf or unusable (inside jit they are left out of "
-                    "the results). Clean the input (or mask those rows) and rerun.")
+                    "the results; so are the padding rows of Particles whose num is "
+                    "traced). Clean the input (or pass only the valid rows) and rerun.")
         if self.kind is FailureKind.REPEATED_IDS:
             return (f"jaxpm_halos: particle ids repeat: FoF groups ({self.count}) hold more "
                     "than one particle with the group's smallest id, and groups that share "
                     "their smallest id are merged into one catalogue row. Give every particle "
                     "a unique id in [0, 2**31 - 2] (Particles.create(pos, box_size) numbers "
                     "the rows; unique 64-bit ids can be relabelled with np.unique(ids, "
-                    "return_inverse=True)) and rerun. Padded Particles (id -1 past num) "
-                    "passed to fof inside jit are read as particles and show here too: pass "
-                    "their valid rows only.")
+                    "return_inverse=True)) and rerun.")
         if self.kind is FailureKind.TOO_FEW:
             return (f"jaxpm_halos: {self.count} kNN rows found fewer than k neighbours: "
                     "there are fewer than k + 1 particles (k at query points) once padding "

@@ -473,6 +473,29 @@ def test_padded_particles_raise_rather_than_count_their_padding():
     np.testing.assert_array_equal(np.asarray(idx), want_idx[:, 1:])
 
 
+@pytest.mark.leg1
+def test_padding_rows_of_a_traced_num_are_left_out_and_fail_the_status():
+    # Inside jit num may be unknown: the padding rows (id -1, at the origin) were read as
+    # particles with status ok. Now they are left out like non-finite rows and counted;
+    # the valid rows keep scipy's neighbours.
+    pos = np.random.default_rng(3).uniform(0, 10.0, (200, 3)).astype(np.float32)
+
+    def padded_knn(p, num):
+        return jh.knn(jh.Particles.create(p, 10.0, num=num), k=2, with_status=True)
+
+    (dist, idx), status = jax.jit(padded_knn)(pos, 120)
+    assert status.failure() == jh.Failure(jh.FailureKind.NONFINITE, 80)
+    want, want_idx = cKDTree(pos[:120], boxsize=10.0).query(pos[:120], k=3)
+    np.testing.assert_allclose(np.asarray(dist)[:120], want[:, 1:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(idx)[:120], want_idx[:, 1:])
+    assert np.isnan(np.asarray(dist)[120:]).all() and (np.asarray(idx)[120:] == -1).all()
+    # dense Particles passed through jit (num traced, equal to the rows) are all particles
+    (dist, _), status = jax.jit(padded_knn)(pos, 200)
+    assert bool(status.ok)
+    np.testing.assert_allclose(np.asarray(dist), cKDTree(pos, boxsize=10.0).query(pos, 3)[0][:, 1:],
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("n, k, message", [
     (1, 1, r"there are 1\. No k fits: 2 particles at least are needed"),
     (3, 3, r"there are 3\. Use k <= 2"),
