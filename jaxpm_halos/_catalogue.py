@@ -90,8 +90,8 @@ class Catalogue:
       peak: (…, 3) density-peak centre, the position of the member with the highest kNN
         density (ties to the smallest id), or None (``centre="peak"`` computes it). Its
         gradient is that member's position's, the choice of member held fixed. NaN (and
-        SO about it NaN) where no member's density was computed: a kNN buffer overflowed
-        inside ``jit``, which the status reports.
+        SO about it NaN) where some member's density was not computed: a kNN buffer
+        overflowed inside ``jit``, which the status reports.
       so: spherical-overdensity masses and radii about the catalogue's SO centre (``peak``
         with ``centre="peak"``, else ``pos``), e.g. ``{"m200c": …, "r200c": …}``, or
         None. See :func:`jaxpm_halos.spherical_overdensity` for the definition; masses
@@ -184,7 +184,7 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
         sums["w"] = seg_sum(m * jnp.sum(v * v, 1))
         sums["anchor_vel"] = anchor_vel
     if density is not None:
-        sums.update(_peaks(owned & ~jnp.isnan(density), density, ids, pos, group, segments))
+        sums.update(_peaks(owned, density, ids, pos, group, segments))
     report = (members > 0) & (has_ghost | (members >= min_members))
     rows, n_rows = selection(report, halo_rows)
     payload = {k: jnp.take(v, rows, axis=0, mode="fill", fill_value=0) for k, v in sums.items()}
@@ -223,15 +223,19 @@ def _highest(value, ids, segment, segments: int):
     return tied & (ids == first[jnp.minimum(segment, segments - 1)])
 
 
-def _peaks(members, density, ids, pos, group, segments: int):
-    """Each group's densest owned member: its density, id and position (partial rows)."""
+def _peaks(owned, density, ids, pos, group, segments: int):
+    """Each group's densest owned member: its density, id and position, and the number of
+    owned members without a density (NaN: their kNN row was not completed) (partial rows)."""
+    members = owned & ~jnp.isnan(density)
+    unknown = jax.ops.segment_sum((owned & ~members).astype(int32), group,
+                                  num_segments=segments)
     value = jnp.where(members, density, -jnp.inf)
     peak = members & _highest(value, ids, jnp.where(members, group, segments), segments)
     slot = jnp.where(peak, group, segments)
     put = lambda a, fill: jnp.full((segments,) + a.shape[1:], fill, a.dtype).at[slot].set(
         a, mode="drop")
     return {"peak_density": put(value, -jnp.inf), "peak_id": put(ids, _BIG),
-            "peak_pos": put(pos, 0)}
+            "peak_pos": put(pos, 0), "peak_unknown": unknown}
 
 
 def _combine(rows, n, box, min_members, halo_rows, common):
@@ -289,10 +293,12 @@ def _combine(rows, n, box, min_members, halo_rows, common):
         fields["vel"] = undefined(ref_vel + relative)
         fields["vel_disp"] = undefined(jnp.sqrt(jnp.maximum(w / safe, 0) / 3))
     if "peak_pos" in rows:
-        densest = valid & (rows["peak_density"] > -jnp.inf) & _highest(
+        complete = at_seg(total(rows["peak_unknown"])) == 0
+        densest = valid & complete & (rows["peak_density"] > -jnp.inf) & _highest(
             rows["peak_density"], rows["peak_id"], seg, halo_rows)
-        # A group none of whose members has a density (the kNN overflowed inside jit) has
-        # no peak: NaN, not the origin, so SO about it is NaN too (the status says why).
+        # A group with a member whose density is unknown (its kNN row overflowed inside
+        # jit) has no peak: the densest of the rest may not be the densest. NaN, not a
+        # plausible member or the origin, so SO about it is NaN too (the status says why).
         fields["peak"] = jnp.full((halo_rows, 3), jnp.nan, rows["peak_pos"].dtype).at[
             jnp.where(densest, seg, halo_rows)].set(rows["peak_pos"], mode="drop")
     keep = count >= min_members
