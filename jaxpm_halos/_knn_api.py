@@ -21,7 +21,7 @@ from ._frontend import (Problem, local_fields, local_valid, particle_fields, par
 from ._geometry import wrap
 from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances, overdensity
 from ._layout import Pencils
-from ._particles import Particles
+from ._particles import Particles, integer_value
 from ._pipeline import (JitProgram, Plan, Step, analyse, blank_rows, on_device, plan_for,
                         run_sharded)
 from ._retry import run_growing
@@ -187,13 +187,13 @@ def check_k(k, total: int | None, self_mode: bool, least: int = 1, context: str 
     uses k - 1) and, where the particle count ``total`` is known, at most the particles
     there are to find (k + 1 in self mode). Errors start with ``context``; ``particles``
     words the count."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise ValueError(f"{context}k must be an integer, got {k!r}")
-    k = int(k)
+    given, k = k, integer_value(k)
+    if k is None:
+        raise ValueError(f"{context}k must be an integer, got {given!r}")
     if k < least:
         raise ValueError(f"{context}k must be at least 1, got {k}" if least == 1 else
-                         f"{context}knn_density needs k >= {least} (the estimator uses k - 1), "
-                         f"got {k}")
+                         f"{context}a kNN density needs k >= {least} (the estimator uses "
+                         f"k - 1), got {k}")
     need = k + 1 if self_mode else k
     if total is not None and need > total:
         most = total - 1 if self_mode else total

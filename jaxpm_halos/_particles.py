@@ -67,8 +67,7 @@ class Particles:
         size = int(jnp.size(pos) // 3)
         num = _checked_num(num, size)
         _check_row_field("vel", vel, shape + (3,))
-        if jnp.ndim(mass):
-            _check_row_field("mass", mass, shape)
+        _check_row_field("mass", mass, shape if np.ndim(mass) else ())
         if id is None:
             id = jnp.arange(size, dtype=jnp.int32).reshape(shape)
         else:
@@ -116,17 +115,21 @@ def _checked_num(num, size: int):
     """``num`` refused unless an integer in ``[0, size]``; a traced one passes unchecked."""
     if num is None or isinstance(num, jax.core.Tracer):
         return num
-    if np.ndim(num) or not np.issubdtype(np.asarray(num).dtype, np.integer):
-        raise ValueError(f"num (the number of valid rows) must be an integer scalar, got {num!r}")
-    return _check_integer("num (the number of valid rows)", int(num), 0, size)
+    return _check_integer("num (the number of valid rows)", num, 0, size)
 
 
 def _check_row_field(name: str, value, shape: tuple) -> None:
-    """Raise unless the per-row field ``value`` (or None) has ``shape``: a broadcast or a
-    truncation would pair rows with the wrong particles."""
-    if value is not None and tuple(jnp.shape(value)) != tuple(shape):
+    """Raise unless the field ``value`` (or None) holds real numbers of ``shape``: a
+    broadcast or a truncation would pair rows with the wrong particles, and a string or
+    complex value would fail (or be cast) far from here."""
+    if value is None:
+        return
+    dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+    if dtype.kind not in "biuf":
+        raise ValueError(f"{name} must hold real numbers, got {value!r}")
+    if tuple(np.shape(value)) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (the positions' rows), "
-                         f"got {tuple(jnp.shape(value))}")
+                         f"got {tuple(np.shape(value))}")
 
 
 def _checked_ids(id, shape, num):
@@ -168,8 +171,9 @@ def _valid_id_range(ids, num):
     flattening or slicing a sharded array would copy it onto each device."""
     valid = jnp.arange(ids.size).reshape(ids.shape) < num
     limits = jnp.iinfo(ids.dtype)  # no valid row: an empty range, lo > hi
-    return (jnp.min(jnp.where(valid, ids, limits.max)),
-            jnp.max(jnp.where(valid, ids, limits.min)))
+    # the limits in the ids' own dtype: a Python int beyond int32 (uint32's max) overflows
+    top, bottom = jnp.asarray(limits.max, ids.dtype), jnp.asarray(limits.min, ids.dtype)
+    return (jnp.min(jnp.where(valid, ids, top)), jnp.max(jnp.where(valid, ids, bottom)))
 
 
 def _check_box_size(box_size) -> float:
@@ -189,14 +193,26 @@ def check_scale_factor(a) -> None:
         raise ValueError(f"the scale factor a must be positive and finite, got {a}")
 
 
+def integer_value(value) -> int | None:
+    """``value`` as an int when it is an integer: ``int``, a numpy integer or a concrete
+    0-d integer array (numpy or JAX); None for anything else (a bool, a float, a string,
+    a traced value)."""
+    if isinstance(value, (bool, np.bool_, jax.core.Tracer)):
+        return None
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return int(value) if value.ndim == 0 and np.issubdtype(value.dtype, np.integer) else None
+    return int(value) if isinstance(value, (int, np.integer)) else None
+
+
 def _check_integer(name: str, value, minimum: int, maximum: int = INT32_MAX) -> int:
     """``value`` as an int, raising a ValueError naming ``name`` unless it is an integer
-    (``int`` or a numpy integer; not a bool, a float or a string) in ``[minimum, maximum]``
-    (by default, what the kernels' int32 can hold)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+    (:func:`integer_value`) in ``[minimum, maximum]`` (by default, what the kernels' int32
+    can hold)."""
+    given, value = value, integer_value(value)
+    if value is None:
+        raise ValueError(f"{name} must be an integer, got {given!r}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
     if value > maximum:
         raise ValueError(f"{name} must be at most {maximum}, got {value}")
-    return int(value)
+    return value

@@ -185,9 +185,9 @@ def test_excluded_rows_have_label_minus_one_in_situ_under_jit():
 
 
 @pytest.mark.parametrize("k, message", [
-    (1, r"InSitu\(k=1\): knn_density needs k >= 2"),
-    (0, r"InSitu\(k=0\): knn_density needs k >= 2"),
-    (-3, r"knn_density needs k >= 2"),
+    (1, r"InSitu\(k=1\): a kNN density needs k >= 2"),
+    (0, r"InSitu\(k=0\): a kNN density needs k >= 2"),
+    (-3, r"a kNN density needs k >= 2"),
     (2.5, r"InSitu\(k=2.5\): k must be an integer"),
     (True, r"k must be an integer"),
     ("16", r"k must be an integer"),
@@ -293,6 +293,17 @@ def test_fof_requires_an_integer_min_members(min_members):
         jh.fof(true, BOX, LINK, min_members=min_members)
 
 
+def test_integer_settings_may_be_concrete_zero_d_arrays():
+    # as numpy integers are; a 1-element array is not a scalar
+    _, true = _far_layout()
+    _, want = jh.fof(true, BOX, LINK, min_members=20)
+    _, got = jh.fof(true, BOX, LINK, min_members=jnp.int32(20))
+    np.testing.assert_array_equal(got.to_numpy()["id"], want.to_numpy()["id"])
+    np.testing.assert_array_equal(jh.knn(true, BOX, jnp.int32(2))[1], jh.knn(true, BOX, 2)[1])
+    with pytest.raises(ValueError, match=r"k must be an integer, got array\(\[3\]\)"):
+        jh.knn(true, BOX, np.array([3]))
+
+
 def test_min_members_beyond_int32_is_refused_by_name():
     # not JAX's OverflowError from casting it into the kernels
     _, true = _far_layout()
@@ -303,11 +314,13 @@ def test_min_members_beyond_int32_is_refused_by_name():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num=65), r"num \(the number of valid rows\) must be at most 64, got 65"),
     (dict(num=-1), r"must be at least 0, got -1"),
-    (dict(num=2.5), r"num \(the number of valid rows\) must be an integer scalar, got 2.5"),
-    (dict(num=np.array([3, 4])), r"must be an integer scalar"),
+    (dict(num=2.5), r"num \(the number of valid rows\) must be an integer, got 2.5"),
+    (dict(num=np.array([3, 4])), r"num \(the number of valid rows\) must be an integer, got array"),
     (dict(vel=np.zeros((64, 2))), r"vel must have shape \(64, 3\).*got \(64, 2\)"),
     (dict(mass=np.ones(65)), r"mass must have shape \(64,\).*got \(65,\)"),
     (dict(mass=np.ones((64, 1))), r"mass must have shape \(64,\).*got \(64, 1\)"),
+    (dict(mass="1"), r"mass must hold real numbers, got '1'"),
+    (dict(vel=np.zeros((64, 3), complex)), r"vel must hold real numbers"),
 ])
 def test_particles_refuse_a_num_or_row_field_that_does_not_fit_the_rows(kwargs, message):
     # Each was taken before: num truncated or clipped, vel and mass broadcast or cut.
@@ -316,6 +329,9 @@ def test_particles_refuse_a_num_or_row_field_that_does_not_fit_the_rows(kwargs, 
         jh.Particles.create(pos, 10.0, **kwargs)
     fine = dict(num=np.int64(64), vel=np.zeros((64, 3)), mass=np.ones(64))
     assert int(jh.Particles.create(pos, 10.0, **fine).num) == 64
+    # device ids of an unsigned type in range are taken (uint32's limit once overflowed)
+    ids = jh.Particles.create(pos, 10.0, id=jnp.arange(64, dtype=jnp.uint32)).id
+    np.testing.assert_array_equal(ids, np.arange(64))
 
 
 def test_velocities_and_masses_may_be_lists():
