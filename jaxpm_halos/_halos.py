@@ -151,6 +151,10 @@ def _so_names(names: tuple) -> tuple:
     for name in names:
         if not name:
             raise ValueError("an SO name must not be empty (its fields are m<name>, r<name>)")
+        if "/" in name:  # HDF5 would write the fields as nested groups
+            raise ValueError(f"so name {name!r} holds '/', which separates groups in the "
+                             "catalogue files: pick another name, e.g. "
+                             f"{name.replace('/', '_')!r}")
         clash = {"m" + name, "r" + name} & set(CATALOGUE_FIELDS)
         if clash:
             raise ValueError(f"so name {name!r} gives the fields m{name}, r{name}, which would "

@@ -546,7 +546,8 @@ def test_a_config_refuses_a_negative_or_non_numeric_setting_at_construction(make
 
 @pytest.mark.parametrize("so, message", [({"ass": 200.0}, r"replace the catalogue's \['mass'\]"),
                                          ({"adius": 5.0}, r"\['radius'\]"),
-                                         ({"": 5.0}, "must not be empty")])
+                                         ({"": 5.0}, "must not be empty"),
+                                         ({"2/0": 5.0}, "holds '/'.*e.g. '2_0'")])
 def test_so_names_cannot_overwrite_catalogue_fields(so, message):
     pos = np.random.default_rng(6).uniform(0, 10.0, (64, 3)).astype(np.float32)
     with pytest.raises(ValueError, match=message):
