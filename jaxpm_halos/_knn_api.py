@@ -94,14 +94,22 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
     nb, status = _trusted(plan, decomposition, nb, status,
                           mig.valid if queries is None else queries[1])
     total_mass = None
-    if spec.overdensity and spec.kth_only:
-        # Equal masses: N m, with N counted exactly, so the mean is the same bits on every
-        # mesh (a float sum depends on the order) and in situ (InSitu's nc**3 m).
+    if spec.overdensity:
         count = psum_all(plan.pencils, jnp.sum(mig.valid, dtype=jnp.int32))
-        total_mass = count * pmax_all(plan.pencils, jnp.max(jnp.where(mig.valid, mass, 0)))
-    elif spec.overdensity:
-        total_mass = psum_all(plan.pencils, jnp.sum(jnp.where(mig.valid, mass, 0)))
+        total_mass = _total_mass(plan, mig.valid, mass, count, spec.kth_only)
+        # No mass at all: every overdensity is NaN, and the masses are what is unusable.
+        status = dataclasses.replace(status, nonfinite=jnp.maximum(
+            status.nonfinite, jnp.where(total_mass > 0, 0, count)))
     return nb, status, total_mass
+
+
+def _total_mass(plan: Plan, valid, mass, count, equal_masses: bool):
+    """The particles' total mass, replicated. Equal masses: N m, with N (``count``) exact,
+    so the mean is the same bits on every mesh (a float sum depends on the order) and in
+    situ (InSitu's nc**3 m)."""
+    if equal_masses:
+        return count * pmax_all(plan.pencils, jnp.max(jnp.where(valid, mass, 0)))
+    return psum_all(plan.pencils, jnp.sum(jnp.where(valid, mass, 0)))
 
 
 def _trusted(plan: Plan, decomposition: Decomposition, nb, status, valid):
@@ -350,7 +358,8 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
     ``rho_mean`` the total mass over ``box_size**3``. Needs ``k >= 2``. Masses must be
     finite and >= 0: outside ``jit`` others raise :class:`~jaxpm_halos.InvalidInputError`;
     inside, their particles are excluded and counted like non-finite positions, and a
-    total mass of zero gives NaN overdensities. Other arguments and the rows left NaN inside ``jit`` as
+    total mass of zero gives NaN overdensities with its particles counted as unusable
+    (the status fails). Other arguments and the rows left NaN inside ``jit`` as
     :func:`knn`.
     """
     return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,

@@ -530,6 +530,11 @@ def test_overdensity_of_zero_total_mass_raises(mass):
         jh.knn_density(pos, 10.0, 4, mass=mass, overdensity=True)
     rho = jh.knn_density(pos, 10.0, 4, mass=mass)  # a density of zero mass is zero
     assert np.all(np.asarray(rho) == 0)
+    # inside jit the overdensities are NaN, and the status says the masses were unusable
+    delta, status = jax.jit(lambda p, m: jh.knn_density(p, 10.0, 4, mass=m, overdensity=True,
+                                                        with_status=True))(pos, mass)
+    assert np.isnan(np.asarray(delta)).all()
+    assert status.failure() == jh.Failure(jh.FailureKind.NONFINITE, 64)
 
 
 @pytest.mark.parametrize("make, message", [
