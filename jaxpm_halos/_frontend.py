@@ -203,9 +203,9 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
     if box_size is None:
         raise ValueError("box_size is required for position arrays")
     box_size = _check_box_size(box_size)
-    pos = _at_least_float32(pos)
+    pos = _at_least_float32(pos, "positions")
     if vel is not None:
-        vel = _at_least_float32(vel)
+        vel = _at_least_float32(vel, "vel")
     pos = _screen_masses(mass, pos)
     layout = layout_of(pos, box_size, mesh)
     spec = layout.spec
@@ -229,7 +229,7 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
             args.append(jnp.asarray(mass, pos.dtype))
             specs.append(P())
         else:
-            mass = _at_least_float32(mass)
+            mass = _at_least_float32(mass, "mass")
             if tuple(mass.shape) != tuple(pos.shape[:-1]):
                 raise ValueError(f"mass must be a scalar or of shape {pos.shape[:-1]}, "
                                  f"got {mass.shape}")
@@ -286,11 +286,14 @@ def _screen_masses(mass, pos):
     return pos
 
 
-def _at_least_float32(x):
+def _at_least_float32(x, name: str):
     """An array-like as an array computed in float32 at least: integer and half-precision
-    (float16, bfloat16) input is converted to float32, wider floats pass unchanged."""
+    (float16, bfloat16) input is converted to float32, wider floats pass unchanged; other
+    kinds (complex, strings) raise, naming the argument ``name``."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        x = jnp.asarray(x)
+        x = np.asarray(x)
+    if np.dtype(x.dtype).kind not in "biuf" and x.dtype != jnp.bfloat16:
+        raise ValueError(f"{name} must hold real numbers, got dtype {x.dtype}")
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits >= 32:
         return x
     return jnp.asarray(x, jnp.float32)

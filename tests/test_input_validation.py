@@ -334,6 +334,17 @@ def test_particles_refuse_a_num_or_row_field_that_does_not_fit_the_rows(kwargs, 
     np.testing.assert_array_equal(ids, np.arange(64))
 
 
+def test_complex_or_text_inputs_are_refused_by_name():
+    # complex ones were cast to their real part with only numpy's ComplexWarning
+    pos = np.random.default_rng(4).uniform(0, 10.0, (64, 3))
+    with pytest.raises(ValueError, match=r"positions must hold real numbers, got dtype complex"):
+        jh.knn(pos.astype(complex), 10.0, 2)
+    with pytest.raises(ValueError, match=r"vel must hold real numbers, got dtype complex"):
+        jh.fof(pos, 10.0, 0.5, vel=pos.astype(complex))
+    with pytest.raises(ValueError, match=r"positions must hold real numbers, got dtype <U"):
+        jh.knn([["1", "2", "3"]] * 8, 10.0, 2)
+
+
 def test_velocities_and_masses_may_be_lists():
     _, true = _far_layout()
     rng = np.random.default_rng(9)
