@@ -541,6 +541,8 @@ def test_overdensity_of_zero_total_mass_raises(mass):
         jh.knn_density(pos, 10.0, 4, mass=mass, overdensity=True)
     rho = jh.knn_density(pos, 10.0, 4, mass=mass)  # a density of zero mass is zero
     assert np.all(np.asarray(rho) == 0)
+    if np.ndim(mass) == 0:
+        return  # the traced check below compiles a program: one parameter is enough
     # inside jit the overdensities are NaN, and the status says the masses were unusable
     delta, status = jax.jit(lambda p, m: jh.knn_density(p, 10.0, 4, mass=m, overdensity=True,
                                                         with_status=True))(pos, mass)
