@@ -278,7 +278,8 @@ class Status:
     ``needed`` maps a buffer name to an int32 scalar; ``limits`` (static) maps the same names
     to their :class:`Limit`, in pipeline order. ``nonfinite`` counts particles whose position
     (or mass) was NaN or inf, and SO centres that were: they were excluded from every
-    result. A status covers every buffer its result depends on, the shared decomposition
+    result; also the padding rows of Particles with a traced ``num`` (excluded too), and
+    the particles of a kNN overdensity whose total mass is 0 (every value NaN). A status covers every buffer its result depends on, the shared decomposition
     included. ``unreplicated`` (bool, one per name in the static ``replicated``) flags the
     outputs of in-situ user analyses declared ``"replicated"`` that were not the same on
     every device. ``repeated_ids`` counts FoF groups found with more than one particle
