@@ -53,9 +53,11 @@ class Particles:
         labels a group by its smallest id. Outside ``jit`` other ids raise ``ValueError``,
         and so do repeated ones given as a host (numpy) array; ids already on devices are
         not sorted to find repeats (a global sort), but FoF counts the groups they merge
-        (``status.repeated_ids``, which fails the status). Inside ``jit`` (or with a
-        traced ``num``) they are cast to int32 unchecked. Relabel unique ids with
-        ``np.unique(ids, return_inverse=True)`` and map the results back.
+        (``status.repeated_ids``, which fails the status). Inside ``jit`` nothing can
+        raise: a particle whose id lies outside that range gets a NaN position, so the
+        analyses leave it out and count it in ``status.nonfinite`` (the status fails)
+        rather than label groups or neighbours by a wrapped or padding id. Relabel unique
+        ids with ``np.unique(ids, return_inverse=True)`` and map the results back.
         """
         box_size = _check_box_size(box_size)
         pos = jnp.asarray(pos)
@@ -71,7 +73,9 @@ class Particles:
         if id is None:
             id = jnp.arange(size, dtype=jnp.int32).reshape(shape)
         else:
-            id = _checked_ids(id, shape, size if num is None else num)
+            id, checked = _checked_ids(id, shape, size if num is None else num)
+            if not checked:
+                pos = _leave_out_unusable_ids(pos, id)
         dense = num is None
         particles = cls(wrap(pos, box_size), jnp.asarray(id, jnp.int32),
                         jnp.asarray(size if dense else num, jnp.int32),
@@ -135,9 +139,8 @@ def _check_row_field(name: str, value, shape: tuple) -> None:
 def _checked_ids(id, shape, num):
     """Ids refused unless integers of ``shape`` whose first ``num`` rows (the valid ones)
     lie in ``[0, ID_MAX]``, and unique when given on the host (see ``Particles.create``).
-    Traced ids or ``num``, and any inside a trace, are not checked: nothing can raise there."""
-    if isinstance(id, jax.core.Tracer):
-        return id
+    Returns them and whether their values were checked: traced ids or ``num``, and any
+    inside a trace, are not (nothing can raise there; see :func:`_leave_out_unusable_ids`)."""
     on_host = not isinstance(id, jax.Array)
     ids = np.asarray(id) if on_host else id
     if not np.issubdtype(ids.dtype, np.integer):
@@ -145,15 +148,17 @@ def _checked_ids(id, shape, num):
     if tuple(ids.shape) != tuple(shape):
         raise ValueError(f"particle ids must have the positions' leading shape {shape}, "
                          f"got {ids.shape}")
-    if isinstance(num, jax.core.Tracer) or ids.size == 0:
-        return ids
+    if isinstance(ids, jax.core.Tracer) or isinstance(num, jax.core.Tracer):
+        return ids, False
+    if ids.size == 0:
+        return ids, True
     if on_host:
         rows = ids.reshape(-1)[:max(int(num), 0)]
         lo, hi = (rows.min(), rows.max()) if rows.size else (0, 0)
     else:
         lo, hi = _valid_id_range(ids, num)
         if isinstance(lo, jax.core.Tracer):  # inside a user's trace
-            return ids
+            return ids, False
     if int(lo) < 0 or int(hi) > ID_MAX:
         raise ValueError(f"particle ids must lie in [0, {ID_MAX}] (int32; -1 marks padding), "
                          f"got ids from {int(lo)} to {int(hi)}. Relabel them, e.g. "
@@ -162,7 +167,16 @@ def _checked_ids(id, shape, num):
         raise ValueError("particle ids must be unique (FoF labels a group by its smallest "
                          "id), but some repeat. Leave id out to number the rows, or pass "
                          "id=np.arange(len(ids)) and keep your ids beside them")
-    return ids
+    return ids, True
+
+
+def _leave_out_unusable_ids(pos, ids):
+    """``pos`` with NaN rows where ``ids`` (unchecked: traced) lie outside ``[0, ID_MAX]``,
+    compared in their own dtype before the cast to int32 could wrap them: the analyses
+    leave such particles out and count them as unusable (``status.nonfinite``)."""
+    bad = ids > ID_MAX if jnp.issubdtype(ids.dtype, jnp.unsignedinteger) else \
+        (ids < 0) | (ids > ID_MAX)
+    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, pos.dtype), pos)
 
 
 @jax.jit

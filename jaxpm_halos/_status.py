@@ -102,7 +102,7 @@ def _grows_with(limit: Limit, other: Limit) -> bool:
 class FailureKind(enum.Enum):
     """What went wrong, with what to do about it."""
 
-    NONFINITE = "positions or masses that are NaN, inf or unusable (left out inside jit)"
+    NONFINITE = "positions, masses or ids that are NaN, inf or unusable (left out inside jit)"
     OVERFLOW = "a fixed-size buffer was too small"
     UNREPLICATED = "an analysis output declared 'replicated' differs between devices"
     REPEATED_IDS = "particle ids repeat, and groups that share their smallest id were merged"
@@ -278,9 +278,10 @@ class Status:
     ``needed`` maps a buffer name to an int32 scalar; ``limits`` (static) maps the same names
     to their :class:`Limit`, in pipeline order. ``nonfinite`` counts particles whose position
     (or mass) was NaN or inf, and SO centres that were: they were excluded from every
-    result; also the padding rows of Particles with a traced ``num`` (excluded too), and
-    the particles of a kNN overdensity whose total mass is 0 (every value NaN). A status covers every buffer its result depends on, the shared decomposition
-    included. ``unreplicated`` (bool, one per name in the static ``replicated``) flags the
+    result; also the padding rows of Particles with a traced ``num`` and the particles
+    whose traced ids were out of range (both excluded too), and the particles of a kNN
+    overdensity whose total mass is 0 (every value NaN). A status covers every buffer its
+    result depends on, the shared decomposition included. ``unreplicated`` (bool, one per name in the static ``replicated``) flags the
     outputs of in-situ user analyses declared ``"replicated"`` that were not the same on
     every device. ``repeated_ids`` counts FoF groups found with more than one particle
     holding the group's smallest id (a group can be counted on two devices): ids repeat,

@@ -523,6 +523,29 @@ def test_padding_rows_of_a_traced_num_are_left_out_and_fail_the_status():
                                rtol=1e-5, atol=1e-6)
 
 
+def test_traced_ids_out_of_range_are_left_out_and_fail_the_status():
+    # Inside jit ids cannot be refused: -1 (padding) and the int32 maximum ("no id") were
+    # cast and used as particle ids with status ok. Now those particles are left out and
+    # counted like non-finite ones; the others keep scipy's neighbours, ids included.
+    pos = np.random.default_rng(13).uniform(0, 10.0, (120, 3)).astype(np.float32)
+    ids = np.arange(120, dtype=np.int32) + 5
+    ids[[7, 50]] = -1, np.iinfo(np.int32).max
+
+    def knn_with_ids(p, i):
+        return jh.knn(jh.Particles.create(p, 10.0, id=i), k=2, with_status=True)
+
+    (dist, idx), status = jax.jit(knn_with_ids)(pos, ids)
+    assert status.failure() == jh.Failure(jh.FailureKind.NONFINITE, 2)
+    keep = np.ones(120, bool)
+    keep[[7, 50]] = False
+    want, want_row = cKDTree(pos[keep], boxsize=10.0).query(pos[keep], k=3)
+    np.testing.assert_allclose(np.asarray(dist)[keep], want[:, 1:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(idx)[keep], ids[keep][want_row[:, 1:]])
+    assert np.isnan(np.asarray(dist)[~keep]).all() and (np.asarray(idx)[~keep] == -1).all()
+    (_, idx), status = jax.jit(knn_with_ids)(pos, np.arange(120, dtype=np.int32))
+    assert bool(status.ok) and int(np.asarray(idx).min()) >= 0
+
+
 @pytest.mark.parametrize("n, k, message", [
     (1, 1, r"there are 1\. No k fits: 2 particles at least are needed"),
     (3, 3, r"there are 3\. Use k <= 2"),
