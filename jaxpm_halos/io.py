@@ -245,6 +245,7 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
         ``units``, a setting out of range (``box_size``,
         ``linking_length``, ``b`` positive and finite, ``a`` in ``(0, inf)``, ``nc`` and
         ``min_members`` positive integers), an ``attrs`` name in :data:`RESERVED`, a
+        ``units`` key naming no field, SO dataset or attribute (a misspelling), a
         field that is neither in :data:`FIELDS` nor an SO mass and radius pair (it would
         not be read back), ids that are not unique and sorted (a dict catalogue), or a
         value HDF5 cannot store. A write that fails leaves no file
@@ -272,6 +273,7 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
                          "halo per row (as Catalogue.to_numpy() gives them): sort the rows by "
                          "id and drop repeats")
     so = _so_definitions(catalogue, fields)
+    _check_unit_names(units, so, extra)
     units = _so_units(units, so)
     unknown = sorted(set(fields) - set(FIELDS) - {p + n for n in so for p in "mr"})
     if unknown:
@@ -318,6 +320,31 @@ def _so_units(units: dict, so) -> dict:
             if field in units:
                 units.setdefault(prefix + name, units[field])
     return units
+
+
+def _check_unit_names(units: dict, so, extra) -> None:
+    """Raise for a ``units`` key that names nothing a catalogue file can hold: a misspelt
+    field (``"Mass"``) would otherwise leave the real one without a unit, silently."""
+    from .units import so_density
+
+    def is_so(key):
+        if key[:1] not in ("m", "r"):
+            return False
+        if key[1:] in so:
+            return True
+        try:  # a standard definition ("m200c"): one units dict may serve several runs
+            so_density(key[1:], omega_m=0.3)
+            return True
+        except ValueError:
+            return False
+
+    unknown = sorted(key for key in units
+                     if key not in FIELDS and key not in RESERVED and key not in extra
+                     and not is_so(key))
+    if unknown:
+        raise ValueError(f"write_catalogue: units names {unknown}, which are neither catalogue "
+                         f"fields {FIELDS}, SO masses and radii (m<name>, r<name>), nor root "
+                         "attributes; check the spelling")
 
 
 def _so_definition(name: str, kind: str, centre: str) -> str:

@@ -59,6 +59,15 @@ def test_round_trip_custom_units_and_empty(tmp_path):
     got = load_catalogue(write_catalogue(tmp_path / "empty.h5", cat, **{**META, "units": units}))
     assert len(got) == 0 and "vel" not in got and got["pos"].shape == (0, 3)
     assert got.attrs["units"] == units
+    # a misspelt field would leave "mass" without a unit: refused before anything is written
+    with pytest.raises(ValueError, match=r"units names \['Mass'\], which are neither"):
+        write_catalogue(tmp_path / "typo.h5", cat, **{**META, "units": {"Mass": "Msun/h"}})
+    assert not (tmp_path / "typo.h5").exists()
+    # names of other catalogues' fields, attributes and standard SO datasets are accepted
+    shared = {**INSITU_UNITS, "m200c": "Msun/h", "r500c": "Mpc/h", "steps": "PM steps"}
+    got = load_catalogue(write_catalogue(tmp_path / "shared.h5", cat, **{**META, "units": shared},
+                                         attrs={"steps": 10}))
+    assert got.attrs["units"] == shared
 
 
 def test_round_trip_of_a_sharded_catalogue(tmp_path):
