@@ -281,9 +281,9 @@ class Status:
     result; also the padding rows of Particles with a traced ``num`` and the particles
     whose traced ids were out of range (both excluded too), and the particles of a kNN
     overdensity whose total mass is 0 (every value NaN). A status covers every buffer its
-    result depends on, the shared decomposition included. ``unreplicated`` (bool, one per name in the static ``replicated``) flags the
-    outputs of in-situ user analyses declared ``"replicated"`` that were not the same on
-    every device. ``repeated_ids`` counts FoF groups found with more than one particle
+    result depends on, the shared decomposition included. ``unreplicated`` (bool, one per
+    name in the static ``replicated``) flags the outputs of in-situ user analyses declared
+    ``"replicated"`` that were not the same on every device. ``repeated_ids`` counts FoF groups found with more than one particle
     holding the group's smallest id (a group can be counted on two devices): ids repeat,
     and groups that share their smallest id are merged in the catalogue (and share a
     label). Every such merge in the catalogue is counted, and so is a repeat inside one
