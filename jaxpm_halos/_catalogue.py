@@ -40,8 +40,8 @@ INSITU_UNITS = {
           "C-order input row (the lattice index (ix * nc + iy) * nc + iz on a JaxPM grid)",
     "count": "particles",
     "mass": "Msun/h", "pos": "Mpc/h", "vel": "km/s", "vel_disp": "km/s", "radius": "Mpc/h",
-    "percolates": "flag: spans half the box or more along some axis", "box_size": "Mpc/h", "linking_length": "Mpc/h",
-    "peak": "Mpc/h",
+    "percolates": "flag: spans half the box or more along some axis",
+    "box_size": "Mpc/h", "linking_length": "Mpc/h", "peak": "Mpc/h",
 }
 """Units of a catalogue from :class:`jaxpm_halos.InSitu` with ``omega_m`` given (without
 ``omega_m``, ``mass`` counts particles)."""

@@ -275,23 +275,24 @@ def invalid_input(message: str, count: int) -> InvalidInputError:
 class Status:
     """Rows needed by each buffer of one computation (max over devices), with the capacities.
 
-    ``needed`` maps a buffer name to an int32 scalar; ``limits`` (static) maps the same names
-    to their :class:`Limit`, in pipeline order. ``nonfinite`` counts particles whose position
-    (or mass) was NaN or inf, and SO centres that were: they were excluded from every
-    result; also the padding rows of Particles with a traced ``num`` and the particles
+    ``needed`` maps a buffer name to an int32 scalar; ``limits`` (static) maps the same
+    names to their :class:`Limit`, in pipeline order. ``nonfinite`` counts particles whose
+    position (or mass) was NaN or inf, and SO centres that were: they were excluded from
+    every result; also the padding rows of Particles with a traced ``num`` and the particles
     whose traced ids were out of range (both excluded too), and the particles of a kNN
     overdensity whose total mass is 0 (every value NaN). A status covers every buffer its
     result depends on, the shared decomposition included. ``unreplicated`` (bool, one per
     name in the static ``replicated``) flags the outputs of in-situ user analyses declared
-    ``"replicated"`` that were not the same on every device. ``repeated_ids`` counts FoF groups found with more than one particle
-    holding the group's smallest id (a group can be counted on two devices): ids repeat,
-    and groups that share their smallest id are merged in the catalogue (and share a
-    label). Every such merge in the catalogue is counted, and so is a repeat inside one
-    group, in the catalogue or not. Repeats that change no catalogue row can go unseen: an
-    id that is no group's smallest, or two groups sharing one that are each whole on a
-    device and not both in the catalogue (they share a label only). ``too_few`` counts
-    valid kNN rows left without k neighbours while every buffer fitted: there were fewer
-    than k + 1 particles (k at query points) once padding and excluded ones were left out.
+    ``"replicated"`` that were not the same on every device. ``repeated_ids`` counts FoF
+    groups found with more than one particle holding the group's smallest id (a group can be
+    counted on two devices): ids repeat, and groups that share their smallest id are merged
+    in the catalogue (and share a label). Every such merge in the catalogue is counted, and
+    so is a repeat inside one group, in the catalogue or not. Repeats that change no
+    catalogue row can go unseen: an id that is no group's smallest, or two groups sharing
+    one that are each whole on a device and not both in the catalogue (they share a label
+    only). ``too_few`` counts valid kNN rows left without k neighbours while every buffer
+    fitted: there were fewer than k + 1 particles (k at query points) once padding and
+    excluded ones were left out.
     """
 
     needed: Mapping[str, jax.Array]
