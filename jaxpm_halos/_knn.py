@@ -246,8 +246,14 @@ def _sum_left_to_right(columns):
 
 def density_from(rk, mass_sum):
     """kNN density ``(sum of the k-1 nearest masses) / (4/3 pi r_k^3)`` per row, from the
-    k-th distance ``rk`` (n,) and that sum (n,); ``(k - 1) m / V_k`` for equal masses."""
-    return mass_sum / (4.0 / 3.0 * jnp.pi * rk ** 3)
+    k-th distance ``rk`` (n,) and that sum (n,); ``(k - 1) m / V_k`` for equal masses.
+
+    Coincident particles (``rk == 0``) give inf, or 0 when those neighbours are massless:
+    no mass is no density at any radius, and NaN is kept for rows not computed (a peak
+    finder reads it so). The radius is replaced only there, so other rows keep their
+    values and gradients."""
+    massless_point = (rk == 0) & (mass_sum == 0)
+    return mass_sum / (4.0 / 3.0 * jnp.pi * jnp.where(massless_point, 1, rk) ** 3)
 
 
 def overdensity(rho, total_mass, box_size: float):

@@ -359,8 +359,9 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
     finite and >= 0: outside ``jit`` others raise :class:`~jaxpm_halos.InvalidInputError`;
     inside, their particles are excluded and counted like non-finite positions, and a
     total mass of zero gives NaN overdensities with its particles counted as unusable
-    (the status fails). Other arguments and the rows left NaN inside ``jit`` as
-    :func:`knn`.
+    (the status fails). Where k particles coincide (``r_k = 0``) the density is inf, or 0
+    when the k - 1 nearest are massless. Other arguments and the rows left NaN inside
+    ``jit`` as :func:`knn`.
     """
     return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
                 with_status, grow)

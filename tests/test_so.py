@@ -438,6 +438,31 @@ def test_a_peak_among_members_whose_density_is_partly_unknown_is_nan():
         np.testing.assert_array_equal(peak, pos[members[np.lexsort((members, -rho[members]))[0]]])
 
 
+def test_coincident_particles_have_a_defined_density_and_leave_the_peak_finite():
+    """k coincident massless members made (k-1) 0 / 0 = NaN densities with status ok, and
+    the peak (read NaN as "not computed") and the SO mass about it NaN too, eager, with
+    nothing raised. Now such a density is 0 (and inf for coincident massive ones), and the
+    peak is the densest member's position."""
+    rng = np.random.default_rng(15)
+    box, k = 16.0, 2
+    clump = 5.0 + 0.15 * rng.standard_normal((40, 3))
+    clump[[10, 11, 12]] = clump[5]
+    clump[[20, 21]] = clump[30]
+    pos = np.concatenate([clump, rng.uniform(0, box, (200, 3))]).astype(np.float32)
+    mass = np.ones(len(pos), np.float32)
+    mass[[5, 10, 11, 12]] = 0  # a massless point of 4 particles; 20, 21, 30 massive
+    rho = np.asarray(jh.knn_density(pos, box, k, mass=mass))
+    assert (rho[[5, 10, 11, 12]] == 0).all() and np.isinf(rho[[20, 21, 30]]).all()
+    labels, cat = jh.fof(pos, box, 0.4, mass=mass, min_members=10, centre="peak", k=k)
+    assert bool(cat.status.ok)
+    fields = cat.to_numpy()
+    assert fields["id"][0] == 0  # the clump's group, labelled by its particle 0
+    members = np.where(np.asarray(labels) == 0)[0]
+    densest = members[np.lexsort((members, -rho[members]))[0]]
+    assert densest == 20
+    np.testing.assert_array_equal(fields["peak"][0], pos[densest])
+
+
 @pytest.mark.slow
 def test_peak_gradient_is_the_densest_members_and_so_gradients_are_zero(planted):
     """d peak / d positions is the identity on the densest member (the choice held fixed)
