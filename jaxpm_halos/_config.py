@@ -27,8 +27,8 @@ def _default_rows(factor: float, n0: int, given: float | None) -> int:
 
 
 def _check_numbers(config) -> None:
-    """Every number a config holds is finite and >= 0 (None picks the default): a negative
-    or NaN setting would otherwise fail deep inside a compiled program."""
+    """Every number a config holds is finite and >= 0, and every count an integer >= 1 (None
+    picks the default): other settings would otherwise fail deep inside a compiled program."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if value is None or dataclasses.is_dataclass(value):
@@ -38,6 +38,12 @@ def _check_numbers(config) -> None:
         if not (number and math.isfinite(value) and value >= 0):
             raise ValueError(f"{type(config).__name__}({field.name}={value!r}): a setting must "
                              "be a finite number >= 0, or None for the default")
+        # Counts (rows, queries, steps) are shapes: 0 or 1.5 would fail deep in the trace.
+        counts = field.type.startswith("int")
+        if counts and not (isinstance(value, (int, np.integer)) and value >= 1):
+            default = " (or None for the default)" if "None" in field.type else ""
+            raise ValueError(f"{type(config).__name__}({field.name}={value!r}): this setting "
+                             f"is a count, an integer >= 1{default}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -585,6 +585,20 @@ def test_a_config_refuses_a_negative_or_non_numeric_setting_at_construction(make
     assert jh.KNNConfig(remote_factor=0.0).remote_factor == 0.0  # zero is a setting
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: jh.KNNConfig(batch_size=0), r"KNNConfig\(batch_size=0\): .* integer >= 1$"),
+    (lambda: jh.KNNConfig(chunk_size=1.5), r"KNNConfig\(chunk_size=1.5\)"),
+    (lambda: jh.FoFConfig(max_halos=2.5), r"FoFConfig\(max_halos=2.5\): .* >= 1 \(or None"),
+    (lambda: jh.SOConfig(levels=0), r"SOConfig\(levels=0\)"),
+])
+def test_a_config_refuses_a_count_that_is_not_a_positive_integer(make, message):
+    # batch_size=0 failed with a ZeroDivisionError and 1.5 with a shapes TypeError, deep in
+    # the trace, naming no setting
+    with pytest.raises(ValueError, match=message):
+        make()
+    assert jh.KNNConfig(batch_size=np.int64(1), chunk_size=1).batch_size == 1
+
+
 @pytest.mark.parametrize("so, message", [({"ass": 200.0}, r"replace the catalogue's \['mass'\]"),
                                          ({"adius": 5.0}, r"\['radius'\]"),
                                          ({"": 5.0}, "must not be empty"),
