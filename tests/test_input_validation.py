@@ -585,6 +585,23 @@ def test_a_config_refuses_a_negative_or_non_numeric_setting_at_construction(make
     assert jh.KNNConfig(remote_factor=0.0).remote_factor == 0.0  # zero is a setting
 
 
+def test_more_particles_than_int32_ids_can_number_are_refused_before_tracing():
+    # fof, knn and InSitu on a raw 1296^3 grid or 2**31 + 8 flat rows traced happily: the
+    # int32 lattice ids wrapped negative (from_jaxpm alone refused them)
+    mesh = make_mesh((2, 4))
+    grid = jax.ShapeDtypeStruct((1296, 1296, 1296, 3), jnp.float32,
+                                sharding=NamedSharding(mesh, P("x", "y")))
+    flat = jax.ShapeDtypeStruct((2**31 + 8, 3), jnp.float32,
+                                sharding=NamedSharding(mesh, P(("x", "y"))))
+    insitu = jh.InSitu(box_size=1000.0, analyses="fof", b=0.2)
+    state = jax.ShapeDtypeStruct((2,) + grid.shape, jnp.float32,
+                                 sharding=NamedSharding(mesh, P(None, "x", "y")))
+    for call, arg in [(lambda p: jh.fof(p, 1000.0, b=0.2), grid),
+                      (lambda p: jh.knn(p, 1000.0, 4), flat), (lambda y: insitu(y, 1.0), state)]:
+        with pytest.raises(ValueError, match=r"particle rows: .* at most 2\*\*31 - 1"):
+            jax.eval_shape(call, arg)
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: jh.KNNConfig(batch_size=0), r"KNNConfig\(batch_size=0\): .* integer >= 1$"),
     (lambda: jh.KNNConfig(chunk_size=1.5), r"KNNConfig\(chunk_size=1.5\)"),
