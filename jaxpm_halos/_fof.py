@@ -301,7 +301,8 @@ def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_lengt
 
 
 def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
-              min_members: int = 20, config: FoFConfig = FoFConfig(), n0: int | None = None):
+              min_members: int = 20, config: FoFConfig = FoFConfig(), n0: int | None = None,
+              independent_axes=()):
     """FoF on one device's particles, for use inside the caller's own ``shard_map``.
 
     Args:
@@ -312,6 +313,10 @@ def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
         that is not cut). Device ``(i, j)`` of those axes owns pencil ``(i, j)``.
       n0: the mean particles per device that the capacity factors refer to (default: the
         number of rows of ``particles``).
+      independent_axes: the ``shard_map``'s other manual axes, along which each index
+        holds a separate simulation (an ensemble). A manual axis of size > 1 in neither
+        ``axes`` nor here raises ``ValueError``: the particles would be split over it
+        unseen, and groups cut.
 
     Returns:
       ``(domain, labels, catalogue)``: the particles this device owns after migration
@@ -319,7 +324,7 @@ def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
       padded catalogue (``num`` is a scalar). No return trip is made.
     """
     min_members = _check_integer("min_members", min_members, 1)
-    pencils = Pencils.from_axes(axes, particles.box_size)
+    pencils = Pencils.from_axes(axes, particles.box_size, independent_axes)
     n0 = particles.size if n0 is None else int(n0)
     l = float(linking_length)
     check_linking_length(l, pencils)

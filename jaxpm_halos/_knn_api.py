@@ -369,7 +369,7 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
 
 def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | None = None,
               query=None, query_valid=None, reduce: Callable | None = None,
-              config: KNNConfig = KNNConfig(), n0: int | None = None):
+              config: KNNConfig = KNNConfig(), n0: int | None = None, independent_axes=()):
     """kNN on one device's particles, for use inside the caller's own ``shard_map``.
 
     Args:
@@ -387,6 +387,10 @@ def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | N
       reduce: optional ``fn(dist, idx, data)`` as in :func:`knn`.
       n0: the mean particles per device that the capacity factors refer to (default: the
         number of rows of ``particles``).
+      independent_axes: the ``shard_map``'s other manual axes, along which each index
+        holds a separate simulation (an ensemble). A manual axis of size > 1 in neither
+        ``axes`` nor here raises ``ValueError``: the particles would be split over it
+        unseen, and neighbours missed.
 
     Returns:
       Without ``query``: ``(domain, result, status)``: the particles this device owns after
@@ -397,7 +401,7 @@ def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | N
       ids -1; all rows when a buffer of the particles other than ``'knn remote'``
       overflowed, as in :func:`knn`). The status covers the decomposition as well as the search.
     """
-    pencils = Pencils.from_axes(axes, particles.box_size)
+    pencils = Pencils.from_axes(axes, particles.box_size, independent_axes)
     n0 = particles.size if n0 is None else int(n0)
     total = n0 * pencils.num_devices if total is None else int(total)
     k = check_k(k, total, query is None)

@@ -19,6 +19,23 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ._status import is_traced
 
 
+def _check_cutting_axes(axes, independent) -> None:
+    """Raise when the caller's ``shard_map`` splits the particles over a manual mesh axis
+    (of size > 1) that is neither named in ``axes`` nor declared ``independent``: each
+    device would take its own rows for the whole pencil, and search and link without the
+    others', with an ok status."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = getattr(mesh, "manual_axes", ())
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if manual else {}
+    unnamed = [a for a in manual if sizes[a] > 1 and a not in axes and a not in independent]
+    if unnamed:
+        raise ValueError(
+            f"the shard_map splits the particles over mesh axes {unnamed} that axes={tuple(axes)} "
+            "does not name, so each device would see only part of its pencil. Name the axes "
+            "that cut the box along x and y in axes=, or, when each index along an axis "
+            f"holds a separate simulation, pass independent_axes={tuple(unnamed)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Pencils:
     """Static pencil decomposition of a periodic box over (up to) two mesh axes."""
@@ -30,9 +47,12 @@ class Pencils:
     box_size: float
 
     @classmethod
-    def from_axes(cls, axes, box_size: float) -> "Pencils":
+    def from_axes(cls, axes, box_size: float, independent=()) -> "Pencils":
         """The pencils of the caller's mesh axes ``(x_axis, y_axis)`` (None where the box
-        is not cut), inside the caller's ``shard_map``."""
+        is not cut), inside the caller's ``shard_map``; ``independent``: its other manual
+        axes, along which each index holds a separate problem (see
+        :func:`_check_cutting_axes`)."""
+        _check_cutting_axes(axes, independent)
         x_axis, y_axis = axes
         px = jax.lax.axis_size(x_axis) if x_axis else 1
         py = jax.lax.axis_size(y_axis) if y_axis else 1

@@ -1,6 +1,7 @@
 """kNN and kNN density: exact against scipy's cKDTree on clustered layouts and a real JaxPM
 snapshot, identical on every mesh, with query points, a reduce hook, gradients and errors."""
 
+import dataclasses
 import re
 
 import jax
@@ -473,6 +474,38 @@ def test_local_api_inside_user_shard_map(clustered):
     np.testing.assert_array_equal(idx[valid], np.asarray(want_idx)[ids[valid]])
     # Query results come back in the caller's rows.
     _check_exact(clustered, BOX, k, qdist, qidx, query=query)
+
+
+def test_local_api_axes_must_cover_the_shard_maps_split_or_name_it_independent():
+    """axes=("row", None) on a shard_map split over "row" and "col" searched each device's
+    own rows as the whole pencil: wrong neighbours, status ok. Now it raises; an ensemble
+    (each "col" index its own box) is declared with independent_axes and is exact."""
+    k = 4
+    mesh = make_mesh((2, 4), names=("row", "col"))
+    boxes = np.random.default_rng(6).uniform(0, BOX, (4, 256, 3)).astype(np.float32)
+
+    def step(block):
+        parts = jh.Particles.create(block[0], BOX)  # (rows, 3): one half of one box
+        i = jax.lax.axis_index("row")
+        parts = dataclasses.replace(parts, id=parts.id + i * block.shape[1])
+        domain, (dist, _), status = jh.knn_local(parts, k, axes=("row", None),
+                                                 independent_axes=("col",))
+        return domain.id[None], dist[None], status.ok[None, None]
+
+    spec = P("col", "row")
+    ensemble = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
+    ids, dist, ok = map(np.asarray, ensemble(jnp.asarray(boxes)))
+    assert ok.all()
+    for box in range(4):
+        valid = ids[box].reshape(-1) >= 0
+        got = dist[box].reshape(-1, k)[valid][np.argsort(ids[box].reshape(-1)[valid])]
+        want = cKDTree(boxes[box], boxsize=BOX).query(boxes[box], k + 1)[0][:, 1:]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"mesh axes \['col'\] that axes=\('row', None\) does "
+                                         r"not name.*independent_axes=\('col',\)"):
+        jax.eval_shape(jax.shard_map(
+            lambda b: jh.knn_local(jh.Particles.create(b[0], BOX), k, axes=("row", None))[1],
+            mesh=mesh, in_specs=spec, out_specs=spec), jnp.asarray(boxes))
 
 
 @pytest.mark.leg1
