@@ -226,7 +226,13 @@ def analyse(decomposition: Decomposition, domain: Status, steps: dict):
         out = jax.tree.map(lambda s: domain.merge(s) if isinstance(s, Status) else s,
                            step.run(decomposition), is_leaf=_is_status)
         outputs[name] = out
-        kinds[name] = leaf_kinds(step.outputs, out)
+        try:
+            kinds[name] = leaf_kinds(step.outputs, out)
+        except ValueError as error:  # a tree mismatch, raised by JAX without the name
+            raise ValueError(f"analysis {name!r}: its declared outputs={step.outputs!r} (a "
+                             "prefix tree of kinds) does not match the tree it returned, "
+                             f"{jax.tree.structure(out)}; declare a kind for every key it "
+                             f"returns ({error})") from None
         _check_output_shapes(name, out, kinds[name], decomposition.migrated.valid.shape[0])
     return outputs, kinds
 

@@ -50,7 +50,8 @@ from ._knn import ghost_width as knn_ghost_width, overdensity
 from ._knn_api import check_k, knn_density_on_plan, knn_on_decomposition
 from ._layout import Pencils
 from ._particles import Particles, _check_integer, check_scale_factor
-from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, replication_status, run_sharded
+from ._pipeline import (KINDS, JitProgram, Plan, Step, on_device, plan_for, replication_status,
+                        run_sharded)
 from ._so import resolve_radius
 from ._retry import run_growing
 from ._saveloop import pin_to_save_loop
@@ -159,6 +160,11 @@ def register(name: str, *, outputs: Any = "particle", width: Callable | float = 
     if builtin is not None and builtin.run.__module__ == __name__:
         raise ValueError(f"{name!r} is a built-in analysis of jaxpm_halos: register yours "
                          "under another name")
+
+    unknown = [k for k in jax.tree.leaves(outputs) if k not in KINDS]
+    if unknown:
+        raise ValueError(f"analysis {name!r}: outputs= holds kinds {unknown}; each must be one "
+                         f"of {KINDS}")
 
     def wrap(fn):
         width_fn = width if callable(width) else (lambda insitu, pencils, w=float(width): w)

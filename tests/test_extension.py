@@ -517,6 +517,10 @@ def test_snapshot_knn_equals_ckdtree_on_a_thin_ghost_layer():
      r"'test_bad_output', output \['x'\]: a 'particle' output needs one row per owned row"),
     ("particle", lambda snap: jnp.sum(snap.particles.pos), "got \\(\\)"),
     ("device", lambda snap: jnp.sum(snap.particles.pos), r"leading axis \(e.g. value\[None\]\)"),
+    # a key the outputs= dict lacks: JAX's "Dict key mismatch" named no analysis
+    ({"x": "particle"}, lambda snap: {"x": snap.particles.pos[:, 0], "n": jnp.sum(snap.valid)},
+     r"analysis 'test_bad_output': its declared outputs=\{'x': 'particle'\} .* does not "
+     r"match the tree it returned"),
 ])
 def test_outputs_that_do_not_fit_their_kind_name_the_analysis(outputs, fn, message):
     y = jnp.zeros((2, 8, 8, 8, 3), jnp.float32)
@@ -526,6 +530,13 @@ def test_outputs_that_do_not_fit_their_kind_name_the_analysis(outputs, fn, messa
             InSitu(box_size=16.0, analyses=("test_bad_output",))(y, 1.0)
     finally:
         REGISTRY.pop("test_bad_output")
+
+
+def test_an_unknown_output_kind_is_refused_at_registration():
+    with pytest.raises(ValueError, match=r"analysis 'test_kind': outputs= holds kinds "
+                                         r"\['per-particle'\]; each must be one of"):
+        register("test_kind", outputs={"x": "per-particle"})
+    assert "test_kind" not in REGISTRY
 
 
 def test_unregistered_analysis_name():
