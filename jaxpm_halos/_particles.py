@@ -174,8 +174,12 @@ def _leave_out_unusable_ids(pos, ids):
     """``pos`` with NaN rows where ``ids`` (unchecked: traced) lie outside ``[0, ID_MAX]``,
     compared in their own dtype before the cast to int32 could wrap them: the analyses
     leave such particles out and count them as unusable (``status.nonfinite``)."""
-    bad = ids > ID_MAX if jnp.issubdtype(ids.dtype, jnp.unsignedinteger) else \
-        (ids < 0) | (ids > ID_MAX)
+    limits = jnp.iinfo(ids.dtype)
+    bad = jnp.zeros(ids.shape, bool)
+    if limits.min < 0:
+        bad |= ids < 0
+    if limits.max > ID_MAX:  # ID_MAX itself would wrap in a narrower dtype
+        bad |= ids > jnp.asarray(ID_MAX, ids.dtype)
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, pos.dtype), pos)
 
 

@@ -544,6 +544,14 @@ def test_traced_ids_out_of_range_are_left_out_and_fail_the_status():
     assert np.isnan(np.asarray(dist)[~keep]).all() and (np.asarray(idx)[~keep] == -1).all()
     (_, idx), status = jax.jit(knn_with_ids)(pos, np.arange(120, dtype=np.int32))
     assert bool(status.ok) and int(np.asarray(idx).min()) >= 0
+    # narrow ids: the bound 2**31 - 2 wrapped to -2 in int16 and every particle was left out
+    for dtype, bad in ((np.int16, -1), (np.uint8, None)):
+        narrow = np.arange(120).astype(dtype)
+        if bad is not None:
+            narrow[9] = bad
+        left_out = np.isnan(np.asarray(jax.jit(
+            lambda p, i: jh.Particles.create(p, 10.0, id=i).pos)(pos, narrow))).any(axis=1)
+        np.testing.assert_array_equal(np.where(left_out)[0], [] if bad is None else [9])
 
 
 @pytest.mark.parametrize("n, k, message", [
