@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._geometry import wrap
 from ._layout import Layout, layout_of
-from ._particles import INT32_MAX, Particles, _check_box_size
+from ._particles import Particles, _check_box_size, check_row_count
 from ._status import invalid_input, is_traced
 
 int32 = jnp.int32
@@ -208,6 +208,7 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
         vel = _at_least_float32(vel, "vel")
     pos = _screen_masses(mass, pos)
     layout = layout_of(pos, box_size, mesh)
+    check_row_count(int(np.prod(layout.shape)))  # before padding rows are appended
     spec = layout.spec
     vector_spec = P(*spec, None) if layout.grid else P(spec[0] if len(spec) else None, None)
     args, specs = [pos], [vector_spec]
@@ -243,18 +244,7 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
         args = [a if s == P() else jnp.concatenate([a, jnp.zeros((rows,) + a.shape[1:], a.dtype)])
                 for a, s in zip(args, specs)]
     problem = Problem(layout, box_size, vel is not None, ids is not None, mass_kind, static_mass)
-    _check_row_count(int(np.prod(layout.shape)))
     return problem, tuple(args), tuple(specs)
-
-
-def _check_row_count(rows: int) -> None:
-    """Particle ids, row indices and counts are int32 on the devices: more rows would wrap
-    them (a default lattice id past 2**31 - 1 turns negative) and mislabel groups and
-    neighbours with no sign. Refused before anything is traced."""
-    if rows > INT32_MAX:
-        raise ValueError(f"{rows} particle rows: jaxpm_halos numbers particles and rows in "
-                         f"int32, so at most 2**31 - 1 = {INT32_MAX} fit (nc <= 1290 on a "
-                         "JaxPM grid)")
 
 
 def _dense(particles: Particles) -> Particles:

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._geometry import grid_to_box
-from ._particles import Particles, _check_box_size
+from ._particles import Particles, _check_box_size, check_row_count
 
 
 def from_jaxpm(state_or_disp, mom=None, box_size=None, *, mass=1.0,
@@ -99,8 +99,7 @@ def from_jaxpm(state_or_disp, mom=None, box_size=None, *, mass=1.0,
     nc = disp.shape[0]
     if disp.shape != (nc, nc, nc, 3) or nc < 1:
         raise ValueError(f"the displacement grid must have shape (nc, nc, nc, 3), got {disp.shape}")
-    if nc**3 > np.iinfo(np.int32).max:
-        raise ValueError(f"nc = {nc}: nc**3 particle ids do not fit in int32")
+    check_row_count(nc**3)
     if not jnp.issubdtype(disp.dtype, jnp.floating):
         raise ValueError(f"the displacement grid must be floating point, got {disp.dtype}")
     if mom is not None:

@@ -26,7 +26,7 @@ def _check_cutting_axes(axes, independent) -> None:
     others', with an ok status."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = getattr(mesh, "manual_axes", ())
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if manual else {}
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     unnamed = [a for a in manual if sizes[a] > 1 and a not in axes and a not in independent]
     if unnamed:
         raise ValueError(

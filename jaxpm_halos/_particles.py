@@ -204,6 +204,16 @@ def _check_box_size(box_size) -> float:
     return box_size
 
 
+def check_row_count(rows: int) -> None:
+    """Particle ids, row indices and counts are int32 on the devices: more rows would wrap
+    them (a default lattice id past 2**31 - 1 turns negative) and mislabel groups and
+    neighbours with no sign. Refused before anything is traced."""
+    if rows > INT32_MAX:
+        raise ValueError(f"{rows} particle rows: jaxpm_halos numbers particles and rows in "
+                         f"int32, so at most 2**31 - 1 = {INT32_MAX} fit (nc <= 1290 on a "
+                         "JaxPM grid)")
+
+
 def check_scale_factor(a) -> None:
     """Raise unless the scale factor ``a`` is positive and finite (a traced value passes:
     nothing can raise inside ``jit``)."""
