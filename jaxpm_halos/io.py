@@ -322,22 +322,23 @@ def _so_units(units: dict, so) -> dict:
     return units
 
 
-def _check_unit_names(units: dict, so, extra) -> None:
-    """Raise for a ``units`` key that names nothing a catalogue file can hold: a misspelt
-    field (``"Mass"``) would otherwise leave the real one without a unit, silently."""
+def _is_standard_so(name: str) -> bool:
+    """Whether ``name`` (``"200c"``) is a definition :func:`jaxpm_halos.units.so_density`
+    knows, the one parser of definition names (any valid omega_m will do)."""
     from .units import so_density
 
-    def is_so(key):
-        if key[:1] not in ("m", "r"):
-            return False
-        if key[1:] in so:
-            return True
-        try:  # a standard definition ("m200c"): one units dict may serve several runs
-            so_density(key[1:], omega_m=0.3)
-            return True
-        except ValueError:
-            return False
+    try:
+        so_density(name, omega_m=0.3)
+        return True
+    except ValueError:
+        return False
 
+
+def _check_unit_names(units: dict, so, extra) -> None:
+    """Raise for a ``units`` key that names nothing a catalogue file can hold: a misspelt
+    field (``"Mass"``) would otherwise leave the real one without a unit, silently. SO
+    datasets of standard definitions are names too: one units dict may serve several runs."""
+    is_so = lambda key: key[:1] in ("m", "r") and (key[1:] in so or _is_standard_so(key[1:]))
     unknown = sorted(key for key in units
                      if key not in FIELDS and key not in RESERVED and key not in extra
                      and not is_so(key))
@@ -349,12 +350,9 @@ def _check_unit_names(units: dict, so, extra) -> None:
 
 def _so_definition(name: str, kind: str, centre: str) -> str:
     """The ``definition`` attribute of SO dataset ``m<name>`` or ``r<name>``."""
-    from .units import so_density
-
-    try:  # so_density is the one parser of definition names; any valid omega_m will do
-        so_density(name, omega_m=0.3)
+    if _is_standard_so(name):
         threshold = f"threshold jaxpm_halos.units.so_density({name!r}) at the snapshot's a"
-    except ValueError:
+    else:
         threshold = (f"threshold named {name!r} by the caller, a density not recorded here "
                      "(store it with attrs=)")
     about = "density peak" if centre == "peak" else "centre of mass"
