@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
 from conftest import make_mesh, requires
@@ -453,6 +454,12 @@ def test_coincident_particles_have_a_defined_density_and_leave_the_peak_finite()
     mass[[5, 10, 11, 12]] = 0  # a massless point of 4 particles; 20, 21, 30 massive
     rho = np.asarray(jh.knn_density(pos, box, k, mass=mass))
     assert (rho[[5, 10, 11, 12]] == 0).all() and np.isinf(rho[[20, 21, 30]]).all()
+    np.testing.assert_array_equal(jh.knn_density(pos, box, k, mass=mass, mesh=make_mesh((1, 1))),
+                                  rho)
+    dist, idx = cKDTree(pos.astype(np.float64), boxsize=box).query(pos, k + 1)
+    apart = dist[:, k] > 0  # the others against the formula, float64 brute force
+    want = mass[idx[:, 1]] / (4 / 3 * np.pi * dist[:, k] ** 3)
+    np.testing.assert_allclose(rho[apart], want[apart], rtol=2e-5)
     labels, cat = jh.fof(pos, box, 0.4, mass=mass, min_members=10, centre="peak", k=k)
     assert bool(cat.status.ok)
     fields = cat.to_numpy()
