@@ -31,7 +31,7 @@ def _check_numbers(config) -> None:
     picks the default): other settings would otherwise fail deep inside a compiled program."""
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if value is None or dataclasses.is_dataclass(value):
+        if value is None or dataclasses.is_dataclass(value) or field.type == "str":
             continue
         number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
             value, bool)
@@ -44,6 +44,9 @@ def _check_numbers(config) -> None:
             default = " (or None for the default)" if "None" in field.type else ""
             raise ValueError(f"{type(config).__name__}({field.name}={value!r}): this setting "
                              f"is a count, an integer >= 1{default}")
+
+
+SEARCHES = ("auto", "tree", "scan")  # KNNConfig.search
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +155,14 @@ class KNNConfig:
     radius_factor: float = 1.0
     remote_factor: float | None = None
     index_factor: float | None = None
+    search: str = "auto"
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
 
     def __post_init__(self):
         _check_numbers(self)
+        if self.search not in SEARCHES:
+            raise ValueError(f"KNNConfig(search={self.search!r}): choose one of "
+                             + ", ".join(repr(v) for v in SEARCHES))
 
     def index_rows(self, n0: int, default_factor: float, exchanged: int) -> int:
         """Rows of the search index: ``index_factor`` (else ``default_factor``) times

@@ -56,10 +56,12 @@ from ._domain import pmax_all
 from ._geometry import periodic_distance2
 from ._knn_frame import (SearchFrame, build_index, frame_share, ghost_width,  # noqa: F401
                          requested_width, uniform_knn_radius)
-from ._knn_local import (EXACT, LocalSearch, SearchSettings, SearchState, owned_queries,
-                         point_queries, search_locally)
+from ._knn_local import (EXACT, LocalSearch, SearchSettings, SearchState, first_scan_pass,
+                         owned_queries, point_queries, search_again)
 from ._knn_region import NODES as _NODES  # noqa: F401 (benchmarks/knn_candidates.py)
 from ._knn_remote import complete_remote
+from ._knn_tree import available as _tree_available
+from ._knn_tree import tree_pass
 from ._pipeline import Plan
 from ._status import Limit, Status
 
@@ -106,12 +108,13 @@ def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total:
     chunk = _chunk_for_backend(config.chunk_size, kk)
     gap = _GAP * uniform_knn_radius(k, total, box)
     lists = group * config.batch_size  # per step
+    tree = config.search == "tree" or (config.search == "auto" and cpu and _tree_available())
     return SearchSettings(k, kk, 1 if kth_only else k, self_mode, config.batch_size,
                           max(1, config.batch_size // _LEAST_SHARE) if cpu else 1, group,
                           again_batch, lists // again_batch,
                           _PLAN_BATCHES if cpu else 4 * _ACCELERATOR, chunk,
                           max(1, lists // _MERGE_SHARE) if cpu else lists,
-                          config.radius_factor, gap, min(0.125 * box, 4 * gap))
+                          tree, config.radius_factor, gap, min(0.125 * box, 4 * gap))
 
 
 class Neighbours(NamedTuple):
@@ -192,7 +195,8 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
     settings = _settings(k, self_mode, kth_only, config, total, pencils.box_size)
     search = LocalSearch(index, frame, origin, cover_lo, cover_hi, q, n_ext, settings)
     state = SearchState.start(q.valid, settings.kept, n_ext, dtype)
-    state = search_locally(search, state, settings.gap)
+    first_pass = tree_pass if settings.tree else first_scan_pass
+    state = search_again(search, first_pass(search, state, settings.gap), settings.gap)
 
     # Spheres that leave the ghost layer are completed across devices.
     capped = plan.width < requested_width(k, total, pencils.box_size, config) * (1 - 1e-6)

@@ -48,6 +48,7 @@ class SearchSettings(NamedTuple):
     plan_batches: int  # most batches planned per planning step (and PLAN_GROUPS groups)
     chunk: int  # candidates per step
     merge_block: int  # lists merged together when few of a group's change (all: P)
+    tree: bool  # the first pass from the host k-d tree (:mod:`._knn_tree`), not the scan
     radius_factor: float
     gap: float  # a batch ends at a gap this wide between consecutive queries
     span: float  # or this far from its first query
@@ -293,12 +294,17 @@ def search_pass(search: LocalSearch, state: SearchState, batch: int, group: int,
     return state
 
 
-def search_locally(search: LocalSearch, state: SearchState, scale: float) -> SearchState:
-    """First every query with an estimated radius, then the queries whose k-th neighbour
-    lay beyond the region they searched, with that distance as radius, until every query
-    is exact or needs the cross-device pass. Later passes reuse one program."""
+def first_scan_pass(search: LocalSearch, state: SearchState, scale: float) -> SearchState:
+    """Every query with an estimated radius, in the first pass's batches."""
     s = search.settings
-    state = search_pass(search, state, s.batch, s.group, scale, least=s.least)
+    return search_pass(search, state, s.batch, s.group, scale, least=s.least)
+
+
+def search_again(search: LocalSearch, state: SearchState, scale: float) -> SearchState:
+    """The queries still ``AGAIN`` (their k-th neighbour lay beyond the region they searched,
+    or they have no result yet), with that distance as radius (or an estimate), until every
+    query is exact or needs the cross-device pass. Later passes reuse one program."""
+    s = search.settings
     return control.while_loop(
         lambda st: jnp.any(st.status == AGAIN),
         lambda st: search_pass(search, st, s.again_batch, s.again_group, scale), state)

@@ -1,0 +1,213 @@
+"""The first local kNN pass on the CPU: a k-d tree over the device's index, on the host.
+
+XLA:CPU has no cheap per-query selection (``lax.top_k`` costs about a microsecond per row
+whatever its width, and its gathers ~7 ns per element), so the batched scan of
+:mod:`._knn_scan` pays several times the work of a tree walk (benchmarks/RESULTS.md). On
+the CPU the device's buffers are host memory already, so each device hands its index to
+``scipy.spatial.cKDTree`` through :func:`jax.pure_callback` (the 8 device programs run
+their callbacks side by side: the tree releases the GIL) and takes back, for each query,
+the ``fetch = kk + EXTRA`` nearest rows by float64 distance in the device's frame.
+
+Those rows are then checked in the program itself, so the result is the one the scan
+gives: the list is the ``kk`` smallest (squared float32 distance from
+:func:`~._geometry.periodic_distance2`, global id) of every row, because
+
+- the fetched rows come in that order (checked, column against column), and
+- the ``kk``-th is nearer than any row not fetched can be: every such row lies at least
+  the ``fetch``-th float64 distance away, less a bound on float32's rounding.
+
+A query that fails either test (a tie, duplicates in any order, fewer rows than ``fetch``
+within half a box) is left to the scanned passes, which search it again with its
+``kk``-th distance as radius. Whether a result is complete, local or cross-device, is
+decided by :func:`~._knn_local.classify` as for the scan, with the whole frame as region.
+
+Shapes in comments: ``n`` queries, ``R`` index rows, ``F`` rows fetched per query.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import core
+import numpy as np
+from jax import lax
+
+from ._knn_frame import SENTINEL
+from ._knn_local import SearchState, classify
+
+int32 = jnp.int32
+_QUERY_BLOCK = 16384  # queries per tree query on the host (bounds its float64 outputs)
+
+
+def _host_primitive():
+    """A primitive that calls a numpy function on the host buffers themselves, or None.
+
+    ``jax.pure_callback`` first puts its operands on CPU device 0; with the device programs
+    in collectives after the callback, that transfer waits behind them and the program
+    deadlocks (seen on 8 CPU devices in jax 0.7.2). The lowering below passes the buffers
+    straight to the function, through the callback emitter pure_callback itself uses; it is
+    a private JAX interface, so where it is missing the scan is used instead."""
+    try:
+        from jax._src.callback import _callback_op_sharding, emit_python_callback
+        from jax.extend.core import Primitive
+        from jax.interpreters import batching, mlir
+    except ImportError:
+        return None
+    host_p = Primitive("jaxpm_halos_host_call")
+    host_p.multiple_results = True
+    host_p.def_abstract_eval(lambda *avals, fn, results: results)
+
+    def lower(ctx, *args, fn, results):
+        sharding = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+        out, _, _ = emit_python_callback(ctx, lambda *a: tuple(fn(*a)), None, list(args),
+                                         ctx.avals_in, ctx.avals_out, has_side_effect=False,
+                                         sharding=sharding)
+        return out
+
+    def batch(args, dims, fn, results):
+        # One call per batch element (a vmapped kNN is a loop of kNN calls).
+        args = [batching.moveaxis(a, d, 0) if d is not batching.not_mapped else
+                jnp.broadcast_to(a, (_axis_size(args, dims),) + a.shape)
+                for a, d in zip(args, dims)]
+        out = lax.map(lambda a: host_p.bind(*a, fn=fn, results=results), tuple(args))
+        return out, (0,) * len(out)
+
+    mlir.register_lowering(host_p, lower, platform="cpu", cacheable=False)
+    batching.primitive_batchers[host_p] = batch
+    return host_p
+
+
+def _axis_size(args, dims):
+    return next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+
+
+_HOST_CALL = _host_primitive()
+
+
+def available() -> bool:
+    """Whether the host tree can be used: scipy importable and the host call defined."""
+    try:
+        import scipy.spatial  # noqa: F401
+    except ImportError:
+        return False
+    return _HOST_CALL is not None
+
+
+def _frame_positions(cx, cy, cz, code, box: float):
+    """Float64 frame positions (R, 3) of canonical coordinates and image codes (numpy);
+    exact, unlike the float32 frame positions the scan recomputes."""
+    code = code.astype(np.int32)
+    shifts = [((code >> (2 * d)) & 3) - 1 for d in range(3)]
+    return np.stack([np.asarray(c, np.float64) + box * s for c, s in zip((cx, cy, cz), shifts)],
+                    axis=1)
+
+
+def _separated(dist, first: int, last: int, slack: float, slack_rel: float):
+    """Whether consecutive float64 distances (m, F) from column ``first`` to ``last`` are
+    farther apart than float32 rounding can bridge, so that float32 distances order them
+    alike."""
+    lo, hi = dist[:, first:last], dist[:, first + 1:last + 1]
+    return np.all(hi - lo > 2 * (slack + slack_rel * hi), axis=1)
+
+
+def _certify(dist, rows, own, *, k: int, kept: int, half: float, slack: float,
+             slack_rel: float):
+    """From each query's fetched rows (m, F) by float64 distance (own row ``own`` (m,) to
+    drop, or None), the rows of its list (m, kept), the k-th distance (m,) and whether the
+    float32 (distance, id) order is certain to pick the same list (m,)."""
+    ok = np.ones(dist.shape[0], bool)
+    if own is not None:
+        is_self = rows == own[:, None]
+        ok &= is_self[:, :-1].any(axis=1)  # the query itself among all but the last
+        order = np.argsort(is_self, axis=1, kind="stable")  # self to the end
+        dist = np.take_along_axis(dist, order, axis=1)[:, :-1]
+        rows = np.take_along_axis(rows, order, axis=1)[:, :-1]
+    # (m, k + 1): the k nearest others and the next one, which must lie within half a box.
+    ok &= dist[:, k] < half
+    # The list's boundary, and the order of what is kept (the k-th alone, or all k).
+    ok &= _separated(dist, 0 if kept == k else k - 2, k, slack, slack_rel)
+    return rows[:, k - kept:k], dist[:, k - 1], ok
+
+
+def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k: int,
+                  kept: int, self_mode: bool, half: float, slack: float, slack_rel: float,
+                  dtype):
+    """Host side: each valid query's list from the tree, certified or not. Returns rows
+    (n, kept) (R where none), an upper bound of the k-th distance (n,) and the flag (n,)."""
+    from scipy.spatial import cKDTree
+
+    valid = np.asarray(valid)
+    rows = np.flatnonzero(valid).astype(np.int32)  # (valid rows,)
+    n, R = qpos.shape[0], valid.shape[0]
+    out_rows = np.full((n, kept), R, np.int32)
+    out_kth = np.full((n,), np.inf, np.float64)
+    out_ok = np.zeros((n,), bool)
+    live = np.flatnonzero(np.asarray(qvalid))
+    fetch = k + 1 + self_mode  # the k nearest, the next one, and the query itself
+    if rows.size < fetch or live.size == 0:
+        return out_rows, out_kth.astype(dtype), out_ok
+    tree = cKDTree(_frame_positions(cx[rows], cy[rows], cz[rows], code[rows], box),
+                   balanced_tree=False)
+    points = np.asarray(qpos, np.float64)
+    for lo in range(0, live.size, _QUERY_BLOCK):
+        q = live[lo:lo + _QUERY_BLOCK]
+        dist, pick = tree.query(points[q], k=fetch)
+        own = np.asarray(qrow)[q] if self_mode else None
+        out_rows[q], out_kth[q], out_ok[q] = _certify(
+            dist, rows[pick], own, k=k, kept=kept, half=half, slack=slack, slack_rel=slack_rel)
+    # Rounded up: an upper bound, for the coverage test and the cross-device radius.
+    kth = out_kth.astype(dtype)
+    kth = np.where(kth < out_kth, np.nextafter(kth, np.asarray(np.inf, dtype)), kth)
+    return out_rows, kth.astype(dtype), out_ok
+
+
+def tree_lists(search):
+    """Each query's list from the host tree: rows (n, kept) (``R`` where none), an upper
+    bound of its k-th distance (n,), and whether the list is certified (n,)."""
+    index, queries, s = search.index, search.queries, search.settings
+    n, dtype = queries.size, index.cx.dtype
+    eps = float(np.finfo(dtype).eps)
+    host = functools.partial(
+        _nearest_rows, box=search.frame.box, k=s.k, kept=s.kept, self_mode=s.self_mode,
+        half=0.5 * search.frame.box - search.frame.margin,
+        slack=2 * eps * search.frame.box, slack_rel=8 * eps,
+        dtype=np.dtype(dtype))
+    all_q = jnp.arange(n, dtype=int32)
+    stop = lax.stop_gradient
+    results = (core.ShapedArray((n, s.kept), int32), core.ShapedArray((n,), dtype),
+               core.ShapedArray((n,), jnp.bool_))
+    return _HOST_CALL.bind(
+        stop(index.cx), stop(index.cy), stop(index.cz), index.image, index.key != SENTINEL,
+        stop(queries.canon(all_q)), queries.valid, queries.rows, fn=host, results=results)
+
+
+def _frame_coverage(search):
+    """Distance (n,) from each query to the boundary of the region the whole frame holds
+    complete (its ghost cover, and half a box, beyond which a row may be a second image)."""
+    q = search.queries
+    local = q.local(jnp.arange(q.size, dtype=int32))  # (n, 3)
+    half = jnp.asarray(0.5 * search.frame.box - search.frame.margin, local.dtype)
+    inside = jnp.minimum(local - search.cover_lo, search.cover_hi - local)
+    return jnp.minimum(jnp.min(inside, axis=1), half)
+
+
+def tree_pass(search, state: SearchState, scale: float) -> SearchState:
+    """The first local pass from the host tree: certified lists are kept and classified over
+    the whole frame (exact, or needing the cross-device pass); the others stay ``AGAIN``
+    with no radius, for the scanned passes to search from scratch."""
+    index = search.index
+    rows, kth, certified = tree_lists(search)  # (n, kept), (n,), (n,)
+    bound2 = jnp.nextafter(kth * kth, jnp.inf)  # still an upper bound, rounded
+    full = jnp.full(kth.shape, search.frame.full, kth.dtype)
+    status, radius = classify(search.frame, bound2[:, None], _frame_coverage(search), full,
+                              scale)
+    certified = certified & search.queries.valid
+    codes = jnp.where(rows < index.rows, index.ext_row[jnp.minimum(rows, index.rows - 1)],
+                      search.n_ext)  # (n, kept)
+    # A list not certified (a near tie) is searched again about its k-th distance.
+    radius = jnp.where(jnp.isfinite(kth), radius, -1)
+    return SearchState(radius, jnp.where(certified, bound2, jnp.inf),
+                       jnp.where(certified, status, state.status),
+                       jnp.where(certified[:, None], codes, state.codes))
