@@ -39,6 +39,9 @@ from ._knn_local import SearchState, classify
 
 int32 = jnp.int32
 _QUERY_BLOCK = 16384  # queries per tree query on the host (bounds its float64 outputs)
+# Threads per tree query: the devices' queries differ in size (3x at 64^3 on (2, 4)), so
+# without them the largest one would finish alone on one core.
+_WORKERS = -1
 
 
 def _host_primitive():
@@ -112,6 +115,22 @@ def _separated(dist, first: int, last: int, slack: float, slack_rel: float):
     return np.all(hi - lo > 2 * (slack + slack_rel * hi), axis=1)
 
 
+def _drop_self(dist, rows, own):
+    """Fetched rows (m, F) without the query's own row ``own`` (m,): (m, F - 1), and
+    whether it was among all but the last (else the list is not known)."""
+    first = rows[:, 0] == own  # nearly always: the query itself, at distance 0
+    out_dist, out_rows = dist[:, 1:].copy(), rows[:, 1:].copy()
+    ok = first.copy()
+    other = np.flatnonzero(~first)
+    if other.size:  # a duplicate at distance 0 came first: drop self wherever it is
+        is_self = rows[other] == own[other, None]
+        ok[other] = is_self[:, :-1].any(axis=1)
+        order = np.argsort(is_self, axis=1, kind="stable")  # self to the end
+        out_dist[other] = np.take_along_axis(dist[other], order, axis=1)[:, :-1]
+        out_rows[other] = np.take_along_axis(rows[other], order, axis=1)[:, :-1]
+    return out_dist, out_rows, ok
+
+
 def _certify(dist, rows, own, *, k: int, kept: int, half: float, slack: float,
              slack_rel: float):
     """From each query's fetched rows (m, F) by float64 distance (own row ``own`` (m,) to
@@ -119,11 +138,7 @@ def _certify(dist, rows, own, *, k: int, kept: int, half: float, slack: float,
     float32 (distance, id) order is certain to pick the same list (m,)."""
     ok = np.ones(dist.shape[0], bool)
     if own is not None:
-        is_self = rows == own[:, None]
-        ok &= is_self[:, :-1].any(axis=1)  # the query itself among all but the last
-        order = np.argsort(is_self, axis=1, kind="stable")  # self to the end
-        dist = np.take_along_axis(dist, order, axis=1)[:, :-1]
-        rows = np.take_along_axis(rows, order, axis=1)[:, :-1]
+        dist, rows, ok = _drop_self(dist, rows, own)
     # (m, k + 1): the k nearest others and the next one, which must lie within half a box.
     ok &= dist[:, k] < half
     # The list's boundary, and the order of what is kept (the k-th alone, or all k).
@@ -153,7 +168,7 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
     points = np.asarray(qpos, np.float64)
     for lo in range(0, live.size, _QUERY_BLOCK):
         q = live[lo:lo + _QUERY_BLOCK]
-        dist, pick = tree.query(points[q], k=fetch)
+        dist, pick = tree.query(points[q], k=fetch, workers=_WORKERS)
         own = np.asarray(qrow)[q] if self_mode else None
         out_rows[q], out_kth[q], out_ok[q] = _certify(
             dist, rows[pick], own, k=k, kept=kept, half=half, slack=slack, slack_rel=slack_rel)
