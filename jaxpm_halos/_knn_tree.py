@@ -2,26 +2,24 @@
 
 XLA:CPU has no cheap per-query selection (``lax.top_k`` costs about a microsecond per row
 whatever its width, and its gathers ~7 ns per element), so the batched scan of
-:mod:`._knn_scan` pays several times the work of a tree walk (benchmarks/RESULTS.md). On
-the CPU the device's buffers are host memory already, so each device hands its index to
-``scipy.spatial.cKDTree`` through :func:`jax.pure_callback` (the 8 device programs run
-their callbacks side by side: the tree releases the GIL) and takes back, for each query,
-the ``fetch = kk + EXTRA`` nearest rows by float64 distance in the device's frame.
+:mod:`._knn_scan` does several times the work of a tree walk (benchmarks/RESULTS.md). On
+the CPU the device buffers are host memory, so each device hands its index to
+``scipy.spatial.cKDTree`` (the device programs run their calls side by side: the tree
+releases the GIL) and takes back, for each query, its list and whether it is certified.
 
-Those rows are then checked in the program itself, so the result is the one the scan
-gives: the list is the ``kk`` smallest (squared float32 distance from
-:func:`~._geometry.periodic_distance2`, global id) of every row, because
+The tree ranks rows by float64 distance in the device's frame (exact for float32
+coordinates); the scan, and every mesh, rank them by (float32 squared distance from
+:func:`~._geometry.periodic_distance2`, global id). A list is certified when both must
+agree: consecutive float64 distances around what is kept (the k-th alone, or all k) and at
+the list's boundary lie farther apart than float32's rounding of a distance can bridge
+(2 ulp of the box plus a relative 8 eps), and the next row lies within half a box (so no
+row is a second periodic image). Queries not certified (near ties, duplicates in the
+list) are searched again by the scan about their k-th distance. Whether a result is
+complete, local or cross-device, is then decided by :func:`~._knn_local.classify` as for
+the scan, with the whole frame as region and the k-th distance rounded up.
 
-- the fetched rows come in that order (checked, column against column), and
-- the ``kk``-th is nearer than any row not fetched can be: every such row lies at least
-  the ``fetch``-th float64 distance away, less a bound on float32's rounding.
-
-A query that fails either test (a tie, duplicates in any order, fewer rows than ``fetch``
-within half a box) is left to the scanned passes, which search it again with its
-``kk``-th distance as radius. Whether a result is complete, local or cross-device, is
-decided by :func:`~._knn_local.classify` as for the scan, with the whole frame as region.
-
-Shapes in comments: ``n`` queries, ``R`` index rows, ``F`` rows fetched per query.
+Shapes in comments: ``n`` queries, ``R`` index rows, ``F`` rows fetched per query, ``m``
+queries of a block.
 """
 
 from __future__ import annotations
@@ -71,8 +69,8 @@ def _host_primitive():
 
     def batch(args, dims, fn, results):
         # One call per batch element (a vmapped kNN is a loop of kNN calls).
-        args = [batching.moveaxis(a, d, 0) if d is not batching.not_mapped else
-                jnp.broadcast_to(a, (_axis_size(args, dims),) + a.shape)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        args = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
                 for a, d in zip(args, dims)]
         out = lax.map(lambda a: host_p.bind(*a, fn=fn, results=results), tuple(args))
         return out, (0,) * len(out)
@@ -80,10 +78,6 @@ def _host_primitive():
     mlir.register_lowering(host_p, lower, platform="cpu", cacheable=False)
     batching.primitive_batchers[host_p] = batch
     return host_p
-
-
-def _axis_size(args, dims):
-    return next(a.shape[d] for a, d in zip(args, dims) if d is not None)
 
 
 _HOST_CALL = _host_primitive()

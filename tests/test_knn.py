@@ -155,6 +155,48 @@ def test_gpu_settings_give_the_same_neighbours(clustered, unsharded, monkeypatch
         _assert_same((dist, idx), unsharded)
 
 
+def _certified_by_the_tree(monkeypatch):
+    """Each host tree call's certificate flags (queries the tree settled), as they run."""
+    import jaxpm_halos._knn_tree as tree
+
+    seen = []
+    certify = tree._certify
+
+    def spy(*args, **kwargs):
+        out = certify(*args, **kwargs)
+        seen.append(out[2])
+        return out
+
+    monkeypatch.setattr(tree, "_certify", spy)
+    return seen
+
+
+@pytest.mark.optimised  # bits against `unsharded`, compiled in that part
+def test_the_host_tree_and_the_scan_give_the_same_neighbours(clustered, unsharded, monkeypatch):
+    """On the CPU the first local pass is a host k-d tree (search="auto"), each list
+    certified against float32 rounding; the scan (search="scan", what other backends run)
+    must give the same bits, and so must the tree on a mesh. The layout's duplicates cannot
+    be certified: those queries must have gone to the scan and still be exact."""
+    seen = _certified_by_the_tree(monkeypatch)
+    scan = jh.KNNConfig(search="scan")
+    mesh = make_mesh((2, 4))
+    tree_mesh = jh.knn(_shard(mesh, clustered), BOX, 8)  # the default: the tree on the CPU
+    ok = np.concatenate(seen)
+    assert ok.size == N and 0.9 < ok.mean() < 1, ok.mean()
+    for result in (tree_mesh, jh.knn(clustered, BOX, 8, config=scan),
+                   jh.knn(_shard(mesh, clustered), BOX, 8, config=scan)):
+        _check_exact(clustered, BOX, 8, *result)
+        _assert_same(result, unsharded)
+    rho_tree = jh.knn_density(_shard(mesh, clustered), BOX, 16)
+    rho_scan = jh.knn_density(_shard(mesh, clustered), BOX, 16, config=scan)
+    np.testing.assert_array_equal(np.asarray(rho_tree), np.asarray(rho_scan))
+
+
+def test_search_must_be_named():
+    with pytest.raises(ValueError, match="search='kd'.*'auto', 'tree', 'scan'"):
+        jh.KNNConfig(search="kd")
+
+
 def test_frame_positions_from_image_codes_equal_the_decompositions_bitwise():
     """The kNN index keeps a one-byte periodic image per row instead of its frame
     position; the position it recomputes must be the decomposition's, bit for bit (x and
@@ -329,6 +371,8 @@ def test_query_points(clustered):
     assert dist.shape == (992, k) and dist.sharding.spec == P(("x", "y"))
     _check_exact(clustered, BOX, k, dist, idx, query=query)
     assert np.all(np.asarray(dist)[:5, 0] == 0)
+    _assert_same((dist, idx), jh.knn(particles, BOX, k, query=_shard(mesh, query),
+                                     config=jh.KNNConfig(search="scan")))
     # Query points that are not sharded, in any leading shape and not a multiple of the
     # device count.
     rho = jh.knn_density(particles, BOX, k, query=query[:990].reshape(2, 495, 3))
