@@ -6,7 +6,7 @@ The README's in-situ recipe (64^3 in 128 Mpc/h, 2LPT to a = 0.1, LeapfrogMidpoin
 save time the analyses used to run at every PM step. Nothing is cached on disk.
 
     python benchmarks/insitu_save_times.py [--nc 64] [--box 128] [--steps 10]
-        [--ts 1.0 0.5,1.0 0.2,0.4,0.6,0.8,1.0] [--repeats 3]
+        [--ts 1.0 0.5,1.0 0.2,0.4,0.6,0.8,1.0] [--repeats 3] [--search auto|tree|scan]
 """
 
 import argparse
@@ -31,11 +31,12 @@ def _cosmology():
     return jc.Planck15(Omega_c=0.25, sigma8=0.8)
 
 
-def analyses(box):
+def analyses(box, search="auto"):
     """The analyses the recipe runs in situ: FoF (b = 0.2, 20 members) and kNN density
-    (k = 16), in the recipe's cosmology."""
+    (k = 16), in the recipe's cosmology; ``search`` is kNN's (``KNNConfig.search``)."""
     return jaxpm_halos.InSitu(box_size=box, analyses=("fof", "knn_density"), b=0.2,
-                              min_members=20, k=16, omega_m=0.25 + 0.0486)
+                              min_members=20, k=16, omega_m=0.25 + 0.0486,
+                              knn=jaxpm_halos.KNNConfig(search=search))
 
 
 def _sharding(mesh):
@@ -103,11 +104,12 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--ts", nargs="+", default=["1.0", "0.5,1.0", "0.2,0.4,0.6,0.8,1.0"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--search", default="auto", help="KNNConfig.search: auto, tree or scan")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", "Explicitly requested dtype.*int64")
     warnings.filterwarnings("ignore", "invalid value encountered in cast")
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
-    insitu = analyses(args.box)
+    insitu = analyses(args.box, args.search)
     print(f"{args.nc}^3, {args.box:g} Mpc/h, {args.steps} steps, mesh (2, 4); "
           f"min of {args.repeats}", flush=True)
     final = None

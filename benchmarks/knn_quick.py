@@ -5,6 +5,7 @@ against ``scipy.spatial.cKDTree(boxsize=L).query(k=k+1, workers=-1)`` in the sam
 and checks that the densities agree.
 
     python benchmarks/knn_quick.py [--nc 64] [--box 64] [--steps 20] [--k 16] [--mesh 2,4]
+        [--search auto|tree|scan]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv=None):
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--mesh", default="2,4")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--search", default="auto", help="KNNConfig.search: auto, tree or scan")
     parser.add_argument("--json", default=None, help="append the figures to this file")
     args = parser.parse_args(argv)
     shape = tuple(int(v) for v in args.mesh.split(","))
@@ -41,14 +43,15 @@ def main(argv=None):
     jax.block_until_ready(particles.pos)
     pos = np.asarray(particles.pos, np.float64).reshape(-1, 3)
     k, box = args.k, args.box
+    config = jaxpm_halos.KNNConfig(search=args.search)
 
     t = time.perf_counter()
-    rho = jax.block_until_ready(jaxpm_halos.knn_density(particles, k=k))
+    rho = jax.block_until_ready(jaxpm_halos.knn_density(particles, k=k, config=config))
     first = time.perf_counter() - t
     warm = []
     for _ in range(args.repeat):
         t = time.perf_counter()
-        rho = jax.block_until_ready(jaxpm_halos.knn_density(particles, k=k))
+        rho = jax.block_until_ready(jaxpm_halos.knn_density(particles, k=k, config=config))
         warm.append(time.perf_counter() - t)
 
     ref = []
