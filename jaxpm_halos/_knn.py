@@ -18,6 +18,9 @@ The search is split in rooms, each with one job:
   ``chunk_size`` at a time; each step merges them (``lax.top_k`` with the running list
   first) into the lists of the queries that some candidate is nearer to than their
   current k-th neighbour, and leaves the other lists as they are.
+- :mod:`._knn_tree`: on the CPU (``KNNConfig.search``), the first pass instead: a k-d tree
+  over the index on the host, whose lists are kept where float32 rounding cannot reorder
+  them; the others go on to the scanned passes below.
 - :mod:`._knn_local`: passes over the queries. Batches are ordered by work and scanned
   ``group_size`` at a time (on CPU, batches under a quarter full are left to the later
   passes). A query is exact when its k-th distance is at most its distance to the

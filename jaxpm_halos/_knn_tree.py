@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
-from jax import core
 import numpy as np
-from jax import lax
+from jax import core, lax
 
 from ._knn_frame import SENTINEL
 from ._knn_local import SearchState, classify
@@ -204,8 +202,9 @@ def _frame_coverage(search):
 
 def tree_pass(search, state: SearchState, scale: float) -> SearchState:
     """The first local pass from the host tree: certified lists are kept and classified over
-    the whole frame (exact, or needing the cross-device pass); the others stay ``AGAIN``
-    with no radius, for the scanned passes to search from scratch."""
+    the whole frame (exact, or needing the cross-device pass); the others stay ``AGAIN``,
+    for the scanned passes to search about their k-th distance (or, with none, from an
+    estimate)."""
     index = search.index
     rows, kth, certified = tree_lists(search)  # (n, kept), (n,), (n,)
     bound2 = jnp.nextafter(kth * kth, jnp.inf)  # still an upper bound, rounded
@@ -215,8 +214,7 @@ def tree_pass(search, state: SearchState, scale: float) -> SearchState:
     certified = certified & search.queries.valid
     codes = jnp.where(rows < index.rows, index.ext_row[jnp.minimum(rows, index.rows - 1)],
                       search.n_ext)  # (n, kept)
-    # A list not certified (a near tie) is searched again about its k-th distance.
-    radius = jnp.where(jnp.isfinite(kth), radius, -1)
+    radius = jnp.where(jnp.isfinite(kth), radius, -1)  # negative: estimate one
     return SearchState(radius, jnp.where(certified, bound2, jnp.inf),
                        jnp.where(certified, status, state.status),
                        jnp.where(certified[:, None], codes, state.codes))
