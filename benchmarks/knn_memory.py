@@ -1,6 +1,7 @@
 """XLA temporaries of kNN (per device x devices, per particle) from ``memory_analysis``.
 
     python benchmarks/knn_memory.py [--nc 64] [--k 16] [--what density neighbours] [--top 12]
+        [--search auto|tree|scan]
 
 Compiles ``knn_density`` (and ``knn`` returning full lists) on a JaxPM z = 0 snapshot, mesh
 (2, 4) of 8 CPU devices, without running it, and prints XLA's temporary bytes per particle:
@@ -33,6 +34,7 @@ def main(argv=None):
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--what", nargs="+", default=["density", "neighbours"])
     parser.add_argument("--top", type=int, default=0)
+    parser.add_argument("--search", default="auto", help="KNNConfig.search: auto, tree or scan")
     parser.add_argument("--abstract", action="store_true",
                         help="no snapshot: compile from_jaxpm + the call on an abstract "
                              "displacement grid (shapes are all the compiled program needs)")
@@ -47,8 +49,9 @@ def main(argv=None):
     else:
         _, x = snapshot_particles(args.nc, box, 20)
         prep = lambda p: p
-    fns = {"density": lambda p: jaxpm_halos.knn_density(prep(p), k=args.k),
-           "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k)}
+    config = jaxpm_halos.KNNConfig(search=args.search)
+    fns = {"density": lambda p: jaxpm_halos.knn_density(prep(p), k=args.k, config=config),
+           "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k, config=config)}
     for what in args.what:
         plain = jax.jit(fns[what]).lower(x).compile().memory_analysis().temp_size_in_bytes
         compiled = JitProgram(fns[what]).lower(x).compile()

@@ -147,7 +147,7 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
 
     valid = np.asarray(valid)
     rows = np.flatnonzero(valid).astype(np.int32)  # (valid rows,)
-    n, R = qpos.shape[0], valid.shape[0]
+    n, R = np.shape(qvalid)[0], valid.shape[0]
     out_rows = np.full((n, kept), R, np.int32)
     out_kth = np.full((n,), np.inf, np.float64)
     out_ok = np.zeros((n,), bool)
@@ -157,7 +157,11 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
         return out_rows, out_kth.astype(dtype), out_ok
     tree = cKDTree(_frame_positions(cx[rows], cy[rows], cz[rows], code[rows], box),
                    balanced_tree=False)
-    points = np.asarray(qpos, np.float64)
+    if self_mode:  # the queries are index rows: their exact frame positions
+        at = np.minimum(np.asarray(qrow), R - 1)
+        points = _frame_positions(cx[at], cy[at], cz[at], code[at], box)
+    else:
+        points = np.asarray(qpos, np.float64)
     for lo in range(0, live.size, _QUERY_BLOCK):
         q = live[lo:lo + _QUERY_BLOCK]
         dist, pick = tree.query(points[q], k=fetch, workers=_WORKERS)
@@ -167,7 +171,7 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
     # Rounded up: an upper bound, for the coverage test and the cross-device radius.
     kth = out_kth.astype(dtype)
     kth = np.where(kth < out_kth, np.nextafter(kth, np.asarray(np.inf, dtype)), kth)
-    return out_rows, kth.astype(dtype), out_ok
+    return out_rows, kth, out_ok
 
 
 def tree_lists(search):
@@ -181,13 +185,16 @@ def tree_lists(search):
         half=0.5 * search.frame.box - search.frame.margin,
         slack=2 * eps * search.frame.box, slack_rel=8 * eps,
         dtype=np.dtype(dtype))
-    all_q = jnp.arange(n, dtype=int32)
     stop = lax.stop_gradient
+    # Self queries are index rows, placed on the host from the index itself: no (n, 3)
+    # array of their positions is formed.
+    qpos = (jnp.zeros((0, 3), dtype) if s.self_mode
+            else stop(queries.local(jnp.arange(n, dtype=int32))))
     results = (core.ShapedArray((n, s.kept), int32), core.ShapedArray((n,), dtype),
                core.ShapedArray((n,), jnp.bool_))
     return _HOST_CALL.bind(
         stop(index.cx), stop(index.cy), stop(index.cz), index.image, index.key != SENTINEL,
-        stop(queries.canon(all_q)), queries.valid, queries.rows, fn=host, results=results)
+        qpos, queries.valid, queries.rows, fn=host, results=results)
 
 
 def _frame_coverage(search):
