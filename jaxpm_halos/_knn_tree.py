@@ -141,8 +141,10 @@ def _certify(dist, rows, own, *, k: int, kept: int, half: float, slack: float,
 def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k: int,
                   kept: int, self_mode: bool, half: float, slack: float, slack_rel: float,
                   dtype):
-    """Host side: each valid query's list from the tree, certified or not. Returns rows
-    (n, kept) (R where none), an upper bound of the k-th distance (n,) and the flag (n,)."""
+    """Host side: each valid query's list from the tree, certified or not. ``qpos`` (n, 3)
+    holds query points' frame positions, and is empty for self queries (placed from their
+    rows ``qrow``). Returns rows (n, kept) (R where none), an upper bound of the k-th
+    distance (n,) and the flag (n,)."""
     from scipy.spatial import cKDTree
 
     valid = np.asarray(valid)
