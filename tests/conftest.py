@@ -18,9 +18,9 @@ LEG2_MESHES = ((8, 1), (2, 4), (1, 1))
 
 def mesh_params(shapes):
     """``shapes`` as pytest parameters, those not in ``LEG2_MESHES`` marked ``leg1``:
-    .ci/run's leg 2 (the newest jax) runs a mesh-parametrised test on a mesh with an axis
-    of size 1 (its own code path), on (2, 4) and on one device; leg 1 checks the invariance
-    over every mesh."""
+    .ci/run's leg 2 (the newest jax) runs a mesh-parametrised test marked ``newest`` on a
+    mesh with an axis of size 1 (its own code path), on (2, 4) and on one device; leg 1
+    checks the invariance over every mesh."""
     return [s if s in LEG2_MESHES else pytest.param(s, marks=pytest.mark.leg1) for s in shapes]
 
 

@@ -221,6 +221,7 @@ def forward_outputs():
 # With in-situ kNN density inside the solve
 
 
+@pytest.mark.slow
 def test_grad_of_insitu_knn_density():
     """d mean(log rho_kNN) / d(initial field), the density computed in situ at a = 1 on
     (2, 4), equals the gradient on one device with kNN density computed afterwards on the

@@ -55,6 +55,7 @@ def speed_analysis():
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 4), None], ids=["mesh2x4", "single"])
+@pytest.mark.newest
 def test_user_analysis_comes_back_in_grid_layout(speed_analysis, mesh_shape):
     nc, box, a = 16, 48.0, 0.7
     rng = np.random.default_rng(3)
@@ -89,6 +90,7 @@ def test_user_analysis_comes_back_in_grid_layout(speed_analysis, mesh_shape):
             assert res[key].sharding.is_equivalent_to(NamedSharding(mesh, P("x", "y")), 3)
 
 
+@pytest.mark.newest
 def test_a_replicated_output_that_differs_between_devices_is_an_error():
     """A "replicated" output comes back as one device's value, so one that differs between
     devices (a per-device sum, not reduced over the mesh) would be a plausible wrong
@@ -392,7 +394,8 @@ def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None, fie
 
 
 @requires("diffrax")
-@pytest.mark.parametrize("adjoint", ["recursive_checkpoint", "forward_mode"])
+@pytest.mark.parametrize("adjoint", ["recursive_checkpoint",
+                                     pytest.param("forward_mode", marks=pytest.mark.slow)])
 def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
     """With a single save time, diffrax's save loop reads ts[0] whatever its index, so XLA
     (while-loop-invariant-code-motion) used to hoist the whole SaveAt function out of it:
@@ -424,7 +427,8 @@ def test_the_counter_sees_a_sort_that_runs_at_every_step():
 
 
 @requires_jaxpm
-@pytest.mark.parametrize("saveat_fn", ["insitu", "insitu_switchable", "user_sort"])
+@pytest.mark.parametrize("saveat_fn", ["insitu", "insitu_switchable",
+                                       pytest.param("user_sort", marks=pytest.mark.slow)])
 def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat_fn):
     """The same through the demo's run_simulation, whose SaveAt also saves t1 and whose
     switchable_saveat_fn wraps the analyses in a lax.cond; and for any saveat_fn there (here
@@ -455,6 +459,7 @@ def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat
         assert int(np.sum(offline.num)) > 0
 
 
+@pytest.mark.newest
 def test_an_analysis_registered_again_runs_its_new_function():
     """The compiled InSitu program was keyed on the analysis names alone, so the second
     registration silently ran the first function."""
@@ -781,6 +786,7 @@ def _clumpy_state(mesh, nc=16, seed=1):
     return jax.device_put(jnp.stack([disp, jnp.zeros_like(disp)]), state_sharding(mesh))
 
 
+@pytest.mark.slow
 def test_insitu_so_thresholds_are_fofs_eager_inside_jit_and_at_a_save_time():
     """SO thresholds depend on a through float arithmetic. Computed in float32 inside the
     program they came out an ulp away from fof(so=..., a=...)'s float64 ones at a = 0.6

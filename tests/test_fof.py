@@ -80,6 +80,7 @@ _RESULTS = {}
 
 
 @pytest.mark.optimised
+@pytest.mark.newest
 def test_labels_and_catalogue_match_scipy(adversarial, mesh):
     pos, vel, mass, want_labels, want_cat = adversarial
     assert len(want_cat["id"]) >= 20 and np.bincount(want_labels).max() >= 40
@@ -97,6 +98,7 @@ def test_labels_and_catalogue_match_scipy(adversarial, mesh):
 
 
 @pytest.mark.optimised
+@pytest.mark.newest
 def test_unsharded_numpy_input_and_mesh_invariance(adversarial):
     pos, vel, mass, want_labels, want_cat = adversarial
     labels, cat = jh.fof(pos, BOX, L_LINK, vel=vel, mass=mass, min_members=MIN_MEMBERS,
@@ -133,6 +135,7 @@ def test_percolating_group_spans_all_domains(shape):
     np.testing.assert_array_equal(np.asarray(labels), want)
 
 
+@pytest.mark.newest
 def test_jit_takes_mesh_from_traced_input(adversarial):
     pos, _, _, want_labels, _ = adversarial
     mesh = make_mesh((2, 4))
@@ -217,8 +220,9 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("knob", ["capacity_factor", "ghost_factor", "image_factor"] + [
-    pytest.param(knob, marks=pytest.mark.slow) for knob in ("transfer_factor", "max_halos")])
+@pytest.mark.parametrize("knob", ["capacity_factor"] + [
+    pytest.param(knob, marks=pytest.mark.slow)
+    for knob in ("ghost_factor", "image_factor", "transfer_factor", "max_halos")])
 def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
     pos, _, _, want_labels, _ = adversarial
     mesh = make_mesh((2, 4))
@@ -505,7 +509,8 @@ def test_local_api_inside_user_shard_map(adversarial):
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("shape", [(2, 4), (8, 1), (1, 1)])
+@pytest.mark.parametrize("shape", [(2, 4)] + [pytest.param(s, marks=pytest.mark.slow)
+                                   for s in ((8, 1), (1, 1))])
 def test_groups_reaching_half_the_box_are_flagged_percolating(shape):
     """A chain spanning the whole box along x and a diagonal chain reaching 0.6 L along y
     percolate or reach past L / 2; a chain of 0.4 L and compact clumps do not. The flag is

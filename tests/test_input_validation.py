@@ -77,7 +77,8 @@ def test_wrap_is_exact_for_far_images_and_unchanged_in_the_box(jit):
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("shape", [(2, 4), None], ids=["mesh2x4", "single"])
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["mesh2x4", "single"])
 def test_far_images_give_scipys_groups_and_neighbours(shape):
     given, true = _far_layout()
     mesh = None if shape is None else make_mesh(shape)
@@ -106,7 +107,7 @@ def _half(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16,
-                                   pytest.param(jnp.bfloat16, marks=pytest.mark.leg1)])
+                                   pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_half_precision_fof_is_computed_in_float32(dtype):
     """float16 / bfloat16 positions, velocities and masses give scipy's groups and numpy's
     catalogue of their float32 values, in float32."""
@@ -448,7 +449,8 @@ def test_given_ids_label_the_groups_and_padding_ids_are_not_checked():
     np.testing.assert_array_equal(got, np.asarray(padded.id))
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (1, 1)], ids=["mesh2x4", "mesh1x1"])
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param((1, 1), marks=pytest.mark.slow)],
+                         ids=["mesh2x4", "mesh1x1"])
 def test_repeated_ids_on_devices_that_merge_groups_fail_the_status(shape):
     """Ids already on devices are not checked for repeats when made (that would take a
     global sort); FoF counts the groups holding their smallest id twice: clumps A and B
@@ -564,7 +566,8 @@ def test_too_large_k_names_a_k_that_fits_or_none(n, k, message):
         jh.knn(pos, 10.0, k)
 
 
-@pytest.mark.parametrize("mass", [0.0, np.zeros(64, np.float32)], ids=["scalar", "rows"])
+@pytest.mark.parametrize("mass", [pytest.param(0.0, marks=pytest.mark.slow),
+                                  np.zeros(64, np.float32)], ids=["scalar", "rows"])
 @pytest.mark.leg1
 def test_overdensity_of_zero_total_mass_raises(mass):
     pos = np.random.default_rng(5).uniform(0, 10.0, (64, 3)).astype(np.float32)

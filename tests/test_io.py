@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
+
+pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos
@@ -228,6 +230,7 @@ def test_load_names_what_a_damaged_file_lacks(tmp_path, damage, message):
         load_catalogue(path)
 
 
+@pytest.mark.leg1  # SO and peaks: test_so's run there
 def test_round_trip_so_and_peak(tmp_path):
     """SO datasets (m200c, r200c, ...) and the density peak, from a sharded fof catalogue,
     with their units, definitions and centre; a numpy dict infers the centre from peak."""

@@ -108,12 +108,14 @@ def unsharded(clustered):
 
 
 @pytest.mark.optimised
+@pytest.mark.newest
 def test_unsharded_matches_scipy(clustered, unsharded):
     _check_exact(clustered, BOX, 8, *unsharded)
 
 
 @pytest.mark.optimised
 @pytest.mark.parametrize("shape", mesh_params(MESH_SHAPES), ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.newest
 def test_every_mesh_matches_scipy_and_the_unsharded_result(clustered, unsharded, shape):
     mesh = make_mesh(shape)
     dist, idx = jh.knn(_shard(mesh, clustered), BOX, 8)
@@ -172,6 +174,7 @@ def _certified_by_the_tree(monkeypatch):
 
 
 @pytest.mark.optimised  # bits against `unsharded`, compiled in that part
+@pytest.mark.newest
 def test_the_host_tree_and_the_scan_give_the_same_neighbours(clustered, unsharded, monkeypatch):
     """On the CPU the first local pass is a host k-d tree (search="auto"), each list
     certified against float32 rounding; the scan (search="scan", what other backends run)
@@ -389,7 +392,7 @@ def test_query_points(clustered):
     np.testing.assert_allclose(np.asarray(rho_grid).reshape(128), want[:128], rtol=1e-5)
 
 
-@pytest.mark.leg1
+@pytest.mark.slow
 def test_overdensity_of_equal_masses_is_the_same_bits_on_a_mesh_as_on_one_device(clustered):
     """The mean density of equal masses is N m with N counted exactly: a float sum of the
     masses would round differently on different meshes (and differ from InSitu's)."""
@@ -408,9 +411,8 @@ def test_overdensity_of_equal_masses_is_the_same_bits_on_a_mesh_as_on_one_device
                                atol=1e-6)
 
 
-@pytest.mark.leg1
-@pytest.mark.parametrize("shape", [(2, 4), pytest.param((8, 1), marks=pytest.mark.slow)],
-                         ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.slow  # FoF's runs in CI: the padding is the shared pipeline's
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     """N = 4093 on 8 devices: padded inside; no padding row is a neighbour, and the mean
     density of ``overdensity`` counts the real particles only."""
@@ -426,6 +428,7 @@ def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     np.testing.assert_allclose(np.asarray(delta), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.newest
 def test_reduce_hook_returns_only_per_particle_values(clustered):
     k = 8
     mesh = make_mesh((2, 4))
@@ -458,6 +461,7 @@ def test_reduce_hook_returns_only_per_particle_values(clustered):
     assert error.value.args == ("weights",)
 
 
+@pytest.mark.newest
 def test_gradients_equal_the_analytic_gradient_with_the_neighbours_held_fixed():
     """Reverse mode of sum(w * dist) + sum(log rho) against its float64 analytic gradient:
     with the neighbours held fixed, d |x_j - x_n| moves x_j along the unit offset u and x_n
@@ -491,6 +495,7 @@ def test_gradients_equal_the_analytic_gradient_with_the_neighbours_held_fixed():
     np.testing.assert_allclose(grad, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
+@pytest.mark.newest
 def test_local_api_inside_user_shard_map(clustered):
     k = 8
     mesh = make_mesh((4, 2), names=("row", "col"))

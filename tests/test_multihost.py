@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpm_halos import units
@@ -83,6 +84,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.newest
 def test_two_processes_equal_one(tmp_path, jaxpm_snapshot_32):
     snap = jaxpm_snapshot_32
     from snapshots import cache_path

@@ -57,7 +57,7 @@ def test_watson_and_sheth_tormen_f_sigma_by_hand():
 
 
 @requires("jax_cosmo")
-@pytest.mark.leg1
+@pytest.mark.slow
 def test_tinker08_mass_function_uses_the_same_sigma():
     """dn/dlog10M(tinker08) / dn/dlog10M(watson13) is f_T(sigma) / f_W(sigma) with sigma from
     jax_cosmo's P(k) at that a, at z = 0 and z = 1; and the Tinker abundance at 1e14 Msun/h

@@ -156,7 +156,8 @@ def test_refined_ode_on_a_mesh_equals_one_device():
 
 
 @requires_jaxpm
-@pytest.mark.parametrize("mesh_shape", [(2, 4), None], ids=["mesh2x4", "single"])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["mesh2x4", "single"])
 def test_insitu_absolute_positions_and_velocities(rows_analysis, mesh_shape):
     """At a = 0.1 (the 2LPT state), InSitu on the pm_nc = 2 nc state gives positions
     wrap(x box / pm_nc), velocities 100 (box / pm_nc) p / a km/s and lattice ids (numpy,
@@ -226,6 +227,7 @@ def fine_insitu_run():
 
 
 @requires_jaxpm
+@pytest.mark.slow
 def test_insitu_fof_on_a_finer_pm_grid_equals_fof_afterwards(fine_insitu_run):
     """The in-situ catalogue and labels equal jaxpm_halos.fof on from_jaxpm(state,
     paint_absolute_pos=True, pm_nc=64), bitwise; the same on one device (InSitu called on

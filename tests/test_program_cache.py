@@ -11,8 +11,9 @@ import jaxpm_halos as jh
 from conftest import make_mesh
 from jaxpm_halos import _frontend
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
-                                reason="memory maps are counted in /proc/self/maps")
+pytestmark = [pytest.mark.newest,
+              pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
+                                 reason="memory maps are counted in /proc/self/maps")]
 
 MAPS_PER_PROGRAM = 2_700  # the cache's estimate for a program it has not measured yet
 
@@ -28,7 +29,7 @@ def test_default_budget_is_half_the_kernel_limit():
     assert _frontend.ProgramCache(max_maps=5).budget() == 5
 
 
-@pytest.mark.leg1
+@pytest.mark.slow
 def test_maps_stay_bounded_when_more_programs_are_compiled_than_the_budget_holds(monkeypatch):
     """Four distinct FoF and kNN programs (512 points on a (2, 4) mesh, ~2,200 maps each)
     against a budget of two: the oldest are dropped and their maps released."""

@@ -94,6 +94,7 @@ def _counted(mass, particle_mass=M_P):
     return np.array_equal(mass, count * np.float32(particle_mass))
 
 
+@pytest.mark.newest
 def test_exact_on_every_mesh(mesh, reference):
     x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(mesh.axis_names)))
     radius, mass, status = jh.spherical_overdensity(x, CENTRES, box_size=BOX, mass=M_P,
@@ -109,6 +110,7 @@ def test_exact_on_every_mesh(mesh, reference):
     assert np.asarray(mass)[0, 0] > 400 * M_P and np.asarray(radius)[0, 0] > 0.5
 
 
+@pytest.mark.slow
 def test_equal_masses_are_counted_in_the_catalogue_and_so_the_same_on_every_mesh():
     """FoF masses and SO masses of equal particle masses are count * m, the same bits
     on every mesh; per-row masses that happen to be equal are counted too."""
@@ -390,6 +392,7 @@ def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     assert np.all(got["m200"] >= got["m1000"]) and np.all(got["m200"] > 12)
 
 
+@pytest.mark.slow
 def test_peaks_after_a_knn_overflow_inside_jit_are_nan(planted):
     """Inside jit the peaks' kNN overflowed (status failed), and every group's peak was
     the origin, with a finite SO mass about it (118 particles): plausible and wrong. No

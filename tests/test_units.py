@@ -15,6 +15,8 @@ import pytest
 
 from conftest import requires_jaxpm
 
+pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
+
 from jaxpm_halos import units
 
 

@@ -82,10 +82,11 @@ def _run_child(body):
     assert result.returncode == 0 and "X64 OK" in result.stdout, result.stderr[-4000:]
 
 
+@pytest.mark.newest
 def test_float32_and_float64_positions_under_x64_equal_the_references():
     _run_child(FOF_KNN)
 
 
-@pytest.mark.leg1  # leg 2 (the newest jax) runs the FoF and kNN part only, for CI's time
+@pytest.mark.slow  # CI runs the FoF and kNN part only, for its time
 def test_float64_so_masses_and_insitu_equal_the_references():
     _run_child(SO_INSITU)
