@@ -427,8 +427,8 @@ def test_the_counter_sees_a_sort_that_runs_at_every_step():
 
 
 @requires_jaxpm
-@pytest.mark.parametrize("saveat_fn", ["insitu", "insitu_switchable",
-                                       pytest.param("user_sort", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("saveat_fn", ["insitu"] + [pytest.param(fn, marks=pytest.mark.slow)
+                                                    for fn in ("insitu_switchable", "user_sort")])
 def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat_fn):
     """The same through the demo's run_simulation, whose SaveAt also saves t1 and whose
     switchable_saveat_fn wraps the analyses in a lax.cond; and for any saveat_fn there (here

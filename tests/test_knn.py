@@ -303,7 +303,7 @@ def test_spheres_wider_than_the_ghost_layer_are_completed_across_devices(cluster
     _check_exact(clustered, BOX, 8, dist, idx)
 
 
-@pytest.mark.leg1
+@pytest.mark.slow
 def test_a_clustered_device_may_complete_more_queries_remotely_than_two_n0():
     """64 particles on 8 devices (n0 = 8), a clump of 21 on one device and k = 40: most of
     its queries need the cross-device pass (28 rows). Its buffer was capped at 2 n0 = 16
