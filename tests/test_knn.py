@@ -195,6 +195,22 @@ def test_the_host_tree_and_the_scan_give_the_same_neighbours(clustered, unsharde
     np.testing.assert_array_equal(np.asarray(rho_tree), np.asarray(rho_scan))
 
 
+
+def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monkeypatch):
+    """Under ``vmap`` the host tree's primitive is batched as a loop of its calls, one per
+    element and device; the batch must give each element's own densities, bit for bit."""
+    rng = np.random.default_rng(4)
+    pos = rng.uniform(0, BOX, (2, 512, 3)).astype(np.float32)
+    pos[1, :50] = pos[1, 50] + rng.normal(0, 0.05, (50, 3))  # a clump in one element only
+    pos %= np.float32(BOX)
+    mesh = make_mesh((2, 4))
+    seen = _certified_by_the_tree(monkeypatch)
+    batched = jax.jit(jax.vmap(lambda p: jh.knn_density(p, BOX, 8, mesh=mesh)))
+    got = np.asarray(batched(jnp.asarray(pos)))  # (2, 512)
+    assert len(seen) == 2 * 8  # one tree query per element and device
+    for element, p in zip(got, pos):
+        np.testing.assert_array_equal(element, np.asarray(jh.knn_density(p, BOX, 8, mesh=mesh)))
+
 def test_search_must_be_named():
     with pytest.raises(ValueError, match="search='kd'.*'auto', 'tree', 'scan'"):
         jh.KNNConfig(search="kd")
