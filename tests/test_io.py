@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-
-pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos
 from jaxpm_halos.io import INSITU_UNITS, gather_catalogue, load_catalogue, write_catalogue
+
+pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
 
 COSMO = {"Omega_c": 0.25, "Omega_b": 0.0486, "h": 0.6774, "n_s": 0.9667, "sigma8": 0.8,
          "name": "Planck15 variant"}

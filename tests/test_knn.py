@@ -195,7 +195,6 @@ def test_the_host_tree_and_the_scan_give_the_same_neighbours(clustered, unsharde
     np.testing.assert_array_equal(np.asarray(rho_tree), np.asarray(rho_scan))
 
 
-
 def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monkeypatch):
     """Under ``vmap`` the host tree's primitive is batched as a loop of its calls, one per
     element and device; the batch must give each element's own densities, bit for bit."""
@@ -210,6 +209,7 @@ def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monke
     assert len(seen) == 2 * 8  # one tree query per element and device
     for element, p in zip(got, pos):
         np.testing.assert_array_equal(element, np.asarray(jh.knn_density(p, BOX, 8, mesh=mesh)))
+
 
 def test_search_must_be_named():
     with pytest.raises(ValueError, match="search='kd'.*'auto', 'tree', 'scan'"):

@@ -15,10 +15,9 @@ import pytest
 
 from conftest import requires_jaxpm
 
-pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
-
 from jaxpm_halos import units
 
+pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
 
 # CODATA 2018 G, IAU 2015 nominal solar mass parameter / G, IAU 2012 au -> parsec
 G_SI = 6.67430e-11  # m^3 kg^-1 s^-2
