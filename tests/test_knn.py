@@ -195,20 +195,25 @@ def test_the_host_tree_and_the_scan_give_the_same_neighbours(clustered, unsharde
     np.testing.assert_array_equal(np.asarray(rho_tree), np.asarray(rho_scan))
 
 
-def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monkeypatch):
+@pytest.mark.parametrize("shape", [(2, 4), (1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monkeypatch, shape):
     """Under ``vmap`` the host tree's primitive is batched as a loop of its calls, one per
-    element and device; the batch must give each element's own densities, bit for bit."""
+    element and device; the batch must give each element's own densities, bit for bit,
+    and cKDTree's."""
+    k = 8
     rng = np.random.default_rng(4)
     pos = rng.uniform(0, BOX, (2, 512, 3)).astype(np.float32)
     pos[1, :50] = pos[1, 50] + rng.normal(0, 0.05, (50, 3))  # a clump in one element only
     pos %= np.float32(BOX)
-    mesh = make_mesh((2, 4))
+    mesh = make_mesh(shape)
     seen = _certified_by_the_tree(monkeypatch)
-    batched = jax.jit(jax.vmap(lambda p: jh.knn_density(p, BOX, 8, mesh=mesh)))
+    batched = jax.jit(jax.vmap(lambda p: jh.knn_density(p, BOX, k, mesh=mesh)))
     got = np.asarray(batched(jnp.asarray(pos)))  # (2, 512)
-    assert len(seen) == 2 * 8  # one tree query per element and device
+    assert len(seen) == 2 * mesh.size  # one tree query per element and device
     for element, p in zip(got, pos):
-        np.testing.assert_array_equal(element, np.asarray(jh.knn_density(p, BOX, 8, mesh=mesh)))
+        np.testing.assert_array_equal(element, np.asarray(jh.knn_density(p, BOX, k, mesh=mesh)))
+        r_k = _reference(p, BOX, k)[:, -1]
+        np.testing.assert_allclose(element, (k - 1) / (4 / 3 * np.pi * r_k ** 3), rtol=1e-5)
 
 
 def test_search_must_be_named():
