@@ -17,12 +17,26 @@ put it, at one evaluation per save time, for any number of save times. The draw 
 
 With ``diffrax.DirectAdjoint`` and one save time this cannot help: equinox's bounded
 loop then calls the save body directly at every step (``max_steps == 1``).
+
+diffrax also traces ``fn`` a second time, after its step loop, for a solve with
+``t0 == t1`` (which takes no step: ``fn`` of the initial state is saved at every save
+time), under a ``lax.cond`` on that runtime test. Its predicate is constant whenever
+``t0`` and ``t1`` are, yet XLA keeps the branch, since collectives across devices count as
+side effects: the analyses were compiled twice (the recipe's solve: 24 sorts against the
+analyses' 12). :func:`skip_no_step_save` gives that branch a
+placeholder whose statuses say ``NOT_RUN`` instead, so the analyses are compiled once and
+a solve that takes no step gets a clear error, not zeros.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import jax
 import jax.numpy as jnp
+
+from ._status import Status
 
 
 def pin_to_save_loop(tree):
@@ -34,3 +48,48 @@ def pin_to_save_loop(tree):
     draw = jax.lax.rng_uniform(jnp.float32(0), jnp.float32(1), ())
     keep = draw < 2  # always true; XLA cannot know it
     return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
+
+
+def skip_no_step_save(fn):
+    """``fn(t, y, args)`` for a diffrax ``SaveAt(ts=..., fn=...)``, except in diffrax's
+    ``t0 == t1`` branch, where, when its outputs carry a :class:`Status`, it is a
+    placeholder of zeros whose statuses are marked ``not_run`` (outputs without one are
+    computed there: zeros would pass for results)."""
+
+    def save(t, y, args):
+        if _tracing_the_save_without_steps():
+            shapes = jax.eval_shape(fn, t, y, args)  # traced, not compiled
+            if _holds_status(shapes):
+                return _not_run(shapes)
+        return fn(t, y, args)
+
+    return save
+
+
+def _tracing_the_save_without_steps() -> bool:
+    """Whether diffrax is tracing its save for a solve with ``t0 == t1`` (diffrax 0.7's
+    ``_save_if_t0_equals_t1`` is on the stack). A diffrax without it compiles ``fn`` there,
+    which is only slower."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_save_if_t0_equals_t1" and "diffrax" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _is_status(x) -> bool:
+    return isinstance(x, Status)
+
+
+def _holds_status(tree) -> bool:
+    return any(map(_is_status, jax.tree.leaves(tree, is_leaf=_is_status)))
+
+
+def _not_run(shapes):
+    """Zeros shaped as ``shapes`` (``jax.eval_shape``'s), every :class:`Status` among them
+    marked ``not_run``."""
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    mark = lambda x: dataclasses.replace(x, not_run=jnp.ones_like(x.not_run)) if _is_status(x) else x  # noqa: E731
+    return jax.tree.map(mark, zeros, is_leaf=_is_status)

@@ -107,6 +107,7 @@ class FailureKind(enum.Enum):
     UNREPLICATED = "an analysis output declared 'replicated' differs between devices"
     REPEATED_IDS = "particle ids repeat, and groups that share their smallest id were merged"
     TOO_FEW = "fewer particles than a kNN row needs (k + 1; k at query points)"
+    NOT_RUN = "the analyses did not run: the diffrax solve took no step (t0 == t1)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Failure:
       count: excluded particles or unusable inputs (NONFINITE), rows the buffer needed per
         device (OVERFLOW), outputs that differ between devices (UNREPLICATED), groups
         holding more than one particle with their smallest id (REPEATED_IDS), or kNN rows
-        left without k neighbours (TOO_FEW).
+        left without k neighbours (TOO_FEW), 0 (NOT_RUN).
       buffer: the buffer's name (OVERFLOW), the outputs' names (UNREPLICATED), else None.
       limit: its :class:`Limit` (OVERFLOW), else None.
       needed: the rows of this buffer for which every buffer sharing its knob fits (each
@@ -193,6 +194,11 @@ class Failure:
                     "and non-finite ones are left out; those rows are NaN (ids -1). Use a "
                     "smaller k or more particles (knn_local: pass total=, the number of "
                     "valid particles, to have k checked before the search).")
+        if self.kind is FailureKind.NOT_RUN:
+            return ("jaxpm_halos: the in-situ analyses did not run: the diffrax solve took "
+                    "no step (its t0 equals t1), and InSitu.saveat's function runs inside "
+                    "the solve's steps. Run the analyses on the state itself instead: "
+                    "insitu(y0, a).")
         if self.kind is FailureKind.UNREPLICATED:
             return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
                     "every device (only one device's value would come back). Reduce it over "
@@ -229,7 +235,8 @@ class Failure:
         kind = {FailureKind.NONFINITE: InvalidInputError,
                 FailureKind.REPEATED_IDS: InvalidInputError,
                 FailureKind.TOO_FEW: InvalidInputError,
-                FailureKind.UNREPLICATED: ValueError}.get(self.kind, CapacityError)
+                FailureKind.UNREPLICATED: ValueError,
+                FailureKind.NOT_RUN: ValueError}.get(self.kind, CapacityError)
         error = kind(self.message(config, argument))
         error.failure = self
         return error
@@ -292,7 +299,8 @@ class Status:
     one that are each whole on a device and not both in the catalogue (they share a label
     only). ``too_few`` counts valid kNN rows left without k neighbours while every buffer
     fitted: there were fewer than k + 1 particles (k at query points) once padding and
-    excluded ones were left out.
+    excluded ones were left out. ``not_run`` (bool) marks a placeholder for results that were
+    never computed: diffrax's save for a solve that takes no step (``_saveloop``).
     """
 
     needed: Mapping[str, jax.Array]
@@ -302,14 +310,15 @@ class Status:
     replicated: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     repeated_ids: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
     too_few: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
+    not_run: jax.Array = dataclasses.field(default_factory=lambda: jnp.bool_(False))
 
     @property
     def ok(self) -> jax.Array:
         """Scalar bool: every buffer fitted, every position was finite, no ids repeated in a
         way that merged groups, every kNN row found its k neighbours, and every output
-        declared replicated was the same on every device."""
+        declared replicated was the same on every device, and the analyses ran at all."""
         good = ((self.nonfinite == 0) & (self.repeated_ids == 0) & (self.too_few == 0)
-                & ~jnp.any(self.unreplicated, axis=-1))
+                & ~jnp.any(self.unreplicated, axis=-1) & ~self.not_run)
         return good & self.buffers_fit()
 
     def buffers_fit(self, skip: tuple[str, ...] = ()) -> jax.Array:
@@ -333,17 +342,20 @@ class Status:
                       jnp.concatenate([self.unreplicated, other.unreplicated], axis=-1),
                       self.replicated + other.replicated,
                       jnp.maximum(self.repeated_ids, other.repeated_ids),
-                      jnp.maximum(self.too_few, other.too_few))
+                      jnp.maximum(self.too_few, other.too_few), self.not_run | other.not_run)
 
     def renamed(self, prefix: str) -> "Status":
         """The same status with ``prefix`` before every buffer name (to merge it with a
         status of other buffers of the same names)."""
         return Status({prefix + name: value for name, value in self.needed.items()},
                       self.nonfinite, tuple((prefix + name, limit) for name, limit in self.limits),
-                      self.unreplicated, self.replicated, self.repeated_ids, self.too_few)
+                      self.unreplicated, self.replicated, self.repeated_ids, self.too_few,
+                      self.not_run)
 
     def failure(self) -> Failure | None:
         """Host-side: the first failure, or None when all is well."""
+        if np.any(np.asarray(self.not_run)):  # every other field is a placeholder's zero
+            return Failure(FailureKind.NOT_RUN, 0)
         nonfinite = int(np.max(np.asarray(self.nonfinite)))
         if nonfinite:
             return Failure(FailureKind.NONFINITE, nonfinite)

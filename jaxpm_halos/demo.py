@@ -518,10 +518,11 @@ def _identity(t, y, args):
 def _pinned(fn):
     """``fn`` reading the state through :func:`jaxpm_halos._saveloop.pin_to_save_loop`:
     with one snapshot, XLA would otherwise hoist ``fn`` out of diffrax's save loop and run
-    it at every PM step."""
-    from ._saveloop import pin_to_save_loop
+    it at every PM step. Analyses are not compiled a second time for diffrax's ``t0 == t1``
+    case (``skip_no_step_save``)."""
+    from ._saveloop import pin_to_save_loop, skip_no_step_save
 
-    return lambda t, y, args: fn(t, pin_to_save_loop(y), args)
+    return skip_no_step_save(lambda t, y, args: fn(t, pin_to_save_loop(y), args))
 
 
 def default_mesh_shape(n_devices: int) -> tuple[int, int]:

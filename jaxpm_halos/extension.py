@@ -54,7 +54,7 @@ from ._pipeline import (KINDS, JitProgram, Plan, Step, on_device, plan_for, repl
                         run_sharded)
 from ._so import resolve_radius
 from ._retry import run_growing
-from ._saveloop import pin_to_save_loop
+from ._saveloop import pin_to_save_loop, skip_no_step_save
 from ._status import FailureKind, Status, is_traced, spell_config
 from . import units
 
@@ -441,7 +441,7 @@ class InSitu:
                              f"direction ({order if known else 'one direction'}); pass "
                              f"{sorted(ts.tolist(), reverse=backward)}")
         return diffrax.SaveAt(ts=jnp.asarray(ts),
-                              fn=lambda t, y, args: self(y, t, times=ts))
+                              fn=skip_no_step_save(lambda t, y, args: self(y, t, times=ts)))
 
 
 def _so_densities(insitu: InSitu, given, a, times):

@@ -376,7 +376,8 @@ def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None, fie
     """Compile a diffeqsolve with ``saveat`` on a ``(2, nc, nc, nc, 3)`` state sharded like
     JaxPM's, and count the sort instructions that run at every step and those inside
     diffrax's save loop (see tests/hlo.py). A harmonic oscillator stands in for the PM
-    force: what matters is only where XLA puts the analyses."""
+    force: what matters is only where XLA puts the analyses. Also returns the number of
+    sort instructions in the whole program."""
     import diffrax
     from hlo import save_loop_counts
 
@@ -390,7 +391,8 @@ def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None, fie
 
     y0 = jax.ShapeDtypeStruct((2, nc, nc, nc, 3), jnp.float32, sharding=state_sharding(mesh))
     with _quiet():
-        return save_loop_counts(jax.jit(solve).lower(y0).compile().as_text(), "sort")
+        text = jax.jit(solve).lower(y0).compile().as_text()
+    return (*save_loop_counts(text, "sort"), text.count(" sort("))
 
 
 @requires("diffrax")
@@ -405,11 +407,36 @@ def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
 
     mesh = make_mesh((2, 4))
     insitu = InSitu(box_size=32.0, analyses=("fof",), min_members=5)
-    per_step, per_save = _sorts_per_step_and_per_save(
+    per_step, per_save, total = _sorts_per_step_and_per_save(
         insitu.saveat([1.0], t0=0.1, t1=1.0), mesh,
         adjoint=None if adjoint == "recursive_checkpoint" else diffrax.ForwardMode())
     assert per_step == 0, f"{per_step} sorts run at every step ({per_save} in the save loop)"
     assert per_save > 0, "the analyses' sorts should be found in diffrax's save loop"
+    # diffrax's branch for a solve with t0 == t1 (never taken here) used to hold a second
+    # copy of the analyses, which XLA kept: twice the compile time.
+    assert total == per_save, f"{total - per_save} sorts outside the save loop (t0 == t1 branch?)"
+
+
+@requires("diffrax")
+def test_a_solve_that_takes_no_step_reports_that_the_analyses_did_not_run():
+    """With t0 == t1 diffrax takes no step and saves its t0 == t1 branch, where the
+    analyses are a placeholder (they are compiled once, in the save loop): its statuses say
+    so and check names the fix, rather than passing zeros for a catalogue."""
+    import diffrax
+
+    nc = 8
+    insitu = InSitu(box_size=8.0, analyses=("fof",), min_members=5)
+    y0 = jnp.zeros((2, nc, nc, nc, 3), jnp.float32)
+    solve = jax.jit(lambda y: diffrax.diffeqsolve(
+        diffrax.ODETerm(_oscillator), diffrax.Euler(), t0=1.0, t1=1.0, dt0=0.1, y0=y0,
+        saveat=insitu.saveat([1.0]), max_steps=4, throw=False).ys)
+    with _quiet():
+        out = solve(y0)
+    assert not np.any(out["domain"].ok) and not np.any(out["fof"]["catalogue"].status.ok)
+    with pytest.raises(ValueError, match=r"did not run: the diffrax solve took no step .*"
+                                         r"insitu\(y0, a\)") as error:
+        check(out, insitu)
+    assert error.value.failure.kind is jaxpm_halos.FailureKind.NOT_RUN
 
 
 @requires("diffrax")
@@ -422,7 +449,7 @@ def test_the_counter_sees_a_sort_that_runs_at_every_step():
     mesh = make_mesh((2, 4))
     sorting = lambda t, y, args: jnp.sort(_oscillator(t, y, args), axis=-2)  # noqa: E731
     saveat = diffrax.SaveAt(ts=[0.5, 1.0], fn=lambda t, y, args: jnp.sort(y[0], axis=-2))
-    per_step, per_save = _sorts_per_step_and_per_save(saveat, mesh, field=sorting)
+    per_step, per_save, _ = _sorts_per_step_and_per_save(saveat, mesh, field=sorting)
     assert per_step > 0 and per_save > 0, (per_step, per_save)
 
 
