@@ -90,6 +90,8 @@ def _holds_status(tree) -> bool:
 def _not_run(shapes):
     """Zeros shaped as ``shapes`` (``jax.eval_shape``'s), every :class:`Status` among them
     marked ``not_run``."""
+    def mark(x):
+        return dataclasses.replace(x, not_run=jnp.ones_like(x.not_run)) if _is_status(x) else x
+
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    mark = lambda x: dataclasses.replace(x, not_run=jnp.ones_like(x.not_run)) if _is_status(x) else x  # noqa: E731
     return jax.tree.map(mark, zeros, is_leaf=_is_status)

@@ -196,9 +196,9 @@ class Failure:
                     "valid particles, to have k checked before the search).")
         if self.kind is FailureKind.NOT_RUN:
             return ("jaxpm_halos: the in-situ analyses did not run: the diffrax solve took "
-                    "no step (its t0 equals t1), and InSitu.saveat's function runs inside "
-                    "the solve's steps. Run the analyses on the state itself instead: "
-                    "insitu(y0, a).")
+                    "no step (its t0 equals t1), and InSitu.saveat's function (and "
+                    "run_simulation's saveat_fn) runs inside the solve's steps. Run the "
+                    "analyses on the state itself instead: insitu(y0, a).")
         if self.kind is FailureKind.UNREPLICATED:
             return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
                     "every device (only one device's value would come back). Reduce it over "
