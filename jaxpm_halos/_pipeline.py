@@ -25,7 +25,7 @@ from ._config import CAPACITY, GHOSTS, IMAGES, TRANSFER, DomainConfig, Knob
 from ._domain import Decomposition, Migrated, decompose, migrate, pmax_all, pmin_all, psum_all
 from ._domain import return_trip, with_ghosts
 from ._layout import Layout, Pencils, width_fraction
-from ._status import Limit, Status, is_traced
+from ._status import Limit, Status, is_status, is_traced
 
 KINDS = ("particle", "device", "replicated")
 
@@ -223,8 +223,8 @@ def analyse(decomposition: Decomposition, domain: Status, steps: dict):
     ``steps``, ``kinds`` with one kind per leaf."""
     outputs, kinds = {}, {}
     for name, step in steps.items():
-        out = jax.tree.map(lambda s: domain.merge(s) if isinstance(s, Status) else s,
-                           step.run(decomposition), is_leaf=_is_status)
+        out = jax.tree.map(lambda s: domain.merge(s) if is_status(s) else s,
+                           step.run(decomposition), is_leaf=is_status)
         outputs[name] = out
         try:
             kinds[name] = leaf_kinds(step.outputs, out)
@@ -300,14 +300,10 @@ def leaf_kinds(declared, result):
         if kind not in KINDS:
             raise ValueError(f"output kind must be one of {KINDS}, got {kind!r}")
         return jax.tree.map(lambda s: jax.tree.map(lambda _: "replicated", s)
-                            if isinstance(s, Status) else kind, sub, is_leaf=_is_status)
+                            if is_status(s) else kind, sub, is_leaf=is_status)
 
     expanded = jax.tree.map(expand, declared, result, is_leaf=lambda x: isinstance(x, str))
     return jax.tree.unflatten(jax.tree.structure(result), jax.tree.leaves(expanded))
-
-
-def _is_status(x) -> bool:
-    return isinstance(x, Status)
 
 
 def replication_status(pencils: Pencils, outputs: dict, declared: dict) -> Status:
@@ -318,7 +314,7 @@ def replication_status(pencils: Pencils, outputs: dict, declared: dict) -> Statu
     one ``pmin`` and one ``pmax`` per leaf; on one device the flags are constant False."""
     names, flags = [], []
     for name, out in outputs.items():
-        plain = jax.tree.map(lambda x: None if _is_status(x) else x, out, is_leaf=_is_status)
+        plain = jax.tree.map(lambda x: None if is_status(x) else x, out, is_leaf=is_status)
         paths = jax.tree_util.tree_flatten_with_path(plain)[0]
         for (path, leaf), kind in zip(paths, jax.tree.leaves(leaf_kinds(declared[name], plain))):
             if kind == "replicated":

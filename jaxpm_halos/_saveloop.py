@@ -36,7 +36,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from ._status import Status
+from ._status import is_status
 
 
 def pin_to_save_loop(tree):
@@ -79,19 +79,15 @@ def _tracing_the_save_without_steps() -> bool:
     return False
 
 
-def _is_status(x) -> bool:
-    return isinstance(x, Status)
-
-
 def _holds_status(tree) -> bool:
-    return any(map(_is_status, jax.tree.leaves(tree, is_leaf=_is_status)))
+    return any(map(is_status, jax.tree.leaves(tree, is_leaf=is_status)))
 
 
 def _not_run(shapes):
     """Zeros shaped as ``shapes`` (``jax.eval_shape``'s), every :class:`Status` among them
     marked ``not_run``."""
     def mark(x):
-        return dataclasses.replace(x, not_run=jnp.ones_like(x.not_run)) if _is_status(x) else x
+        return dataclasses.replace(x, not_run=jnp.ones_like(x.not_run)) if is_status(x) else x
 
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return jax.tree.map(mark, zeros, is_leaf=_is_status)
+    return jax.tree.map(mark, zeros, is_leaf=is_status)

@@ -433,6 +433,11 @@ class Status:
         self.error_if(self.nonfinite, config)
 
 
+def is_status(x) -> bool:
+    """``is_leaf`` for a pytree holding :class:`Status` nodes (they are pytrees too)."""
+    return isinstance(x, Status)
+
+
 def _on_every_device(status: Status, check):
     """Run the host ``check(status)`` (the status with concrete values) on every device of
     the status's mesh (the status is replicated), returning a token that depends on it. A

@@ -55,7 +55,7 @@ from ._pipeline import (KINDS, JitProgram, Plan, Step, on_device, plan_for, repl
 from ._so import resolve_radius
 from ._retry import run_growing
 from ._saveloop import pin_to_save_loop, skip_no_step_save
-from ._status import FailureKind, Status, is_traced, spell_config
+from ._status import FailureKind, Status, is_status, is_traced, spell_config
 from . import units
 
 
@@ -534,7 +534,7 @@ def _first_failure(outputs):
     sees the shared decomposition through its own buffers, so one suggestion holds them all
     and a pasted fix does not meet the next of them one rerun later."""
     failures = [status.failure() for status in jax.tree.leaves(
-        outputs, is_leaf=lambda x: isinstance(x, Status)) if isinstance(status, Status)]
+        outputs, is_leaf=is_status) if is_status(status)]
     failures = [f for f in failures if f is not None]
     if not failures or failures[0].kind is not FailureKind.OVERFLOW:
         return failures[0] if failures else None

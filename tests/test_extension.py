@@ -418,17 +418,20 @@ def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
 
 
 @requires("diffrax")
-def test_a_solve_that_takes_no_step_reports_that_the_analyses_did_not_run():
+@pytest.mark.parametrize("mesh_shape", [None, (2, 4)])
+def test_a_solve_that_takes_no_step_reports_that_the_analyses_did_not_run(mesh_shape):
     """With t0 == t1 diffrax takes no step and saves its t0 == t1 branch, where the
     analyses are a placeholder (they are compiled once, in the save loop): its statuses say
     so and check names the fix, rather than passing zeros for a catalogue."""
     import diffrax
 
-    nc = 8
-    insitu = InSitu(box_size=8.0, analyses=("fof",), min_members=5)
+    nc = 16
+    insitu = InSitu(box_size=32.0, analyses=("fof",), min_members=5)
     y0 = jnp.zeros((2, nc, nc, nc, 3), jnp.float32)
+    if mesh_shape is not None:
+        y0 = jax.device_put(y0, state_sharding(make_mesh(mesh_shape)))
     solve = jax.jit(lambda y: diffrax.diffeqsolve(
-        diffrax.ODETerm(_oscillator), diffrax.Euler(), t0=1.0, t1=1.0, dt0=0.1, y0=y0,
+        diffrax.ODETerm(_oscillator), diffrax.Euler(), t0=1.0, t1=1.0, dt0=0.1, y0=y,
         saveat=insitu.saveat([1.0]), max_steps=4, throw=False).ys)
     with _quiet():
         out = solve(y0)
