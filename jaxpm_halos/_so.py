@@ -177,6 +177,16 @@ class _Batch(NamedTuple):
     found: jax.Array  # (H, D) the downcrossing lies within the searched radius (or just past)
 
 
+class _Level(NamedTuple):
+    """One search radius: its constants and every centre's candidate windows."""
+
+    radius2: jax.Array  # () the radius squared, in the frame's dtype
+    volume: jax.Array  # () 4/3 pi radius^3
+    order: jax.Array  # (R,) frame rows in column order
+    starts: jax.Array  # (C, 25) first sorted position of each window
+    ends: jax.Array  # (C, 25) one past its last
+
+
 def _by_centre_and_distance(centre, d2, mass):
     """Pairs sorted by centre, then distance: for float32 distances one sort of an int64
     key (the centre above the bits of ``d2``, which order like non-negative floats) with the
@@ -193,10 +203,11 @@ def _by_centre_and_distance(centre, d2, mass):
                 lax.bitcast_convert_type(low, d2.dtype), mass)
 
 
-def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, common,
-           box: float, pairs: int) -> _Batch:
-    """Profiles of the ``batch`` centres from their candidates (at most ``pairs``);
-    ``common`` is :func:`~._domain.common_mass` of the particles."""
+def _batch(frame: _Frame, level: _Level, batch, centres, density, common, box: float,
+           pairs: int) -> _Batch:
+    """Profiles of the ``batch`` centres from their candidates at ``level`` (at most
+    ``pairs``); ``common`` is :func:`~._domain.common_mass` of the particles."""
+    order, starts, ends = level.order, level.starts, level.ends
     h = centres.shape[0]
     lengths = jnp.where(batch[:, None], ends - starts, 0).reshape(-1)  # (H * 25,)
     cum = jnp.cumsum(lengths, dtype=int32)
@@ -204,10 +215,10 @@ def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, c
     live = t < cum[-1]
     flat = jnp.minimum(jnp.searchsorted(cum, t, side="right").astype(int32), cum.shape[0] - 1)
     centre = flat // starts.shape[1]
-    row = cols.order[jnp.minimum(starts.reshape(-1)[flat] + t - (cum[flat] - lengths[flat]),
-                                 cols.order.shape[0] - 1)]
+    row = order[jnp.minimum(starts.reshape(-1)[flat] + t - (cum[flat] - lengths[flat]),
+                            order.shape[0] - 1)]
     d2 = periodic_distance2(frame.canon[row], centres[centre], box)  # (P,)
-    inside = live & frame.valid[row] & (d2 <= jnp.asarray(radius * radius, d2.dtype))
+    inside = live & frame.valid[row] & (d2 <= level.radius2)
     key, d2, m = _by_centre_and_distance(jnp.where(inside, centre, h), d2, frame.mass[row])
     inside = key < h
     m = jnp.where(inside, m, 0)
@@ -229,20 +240,37 @@ def _batch(frame: _Frame, cols, starts, ends, batch, centres, density, radius, c
     mass = jnp.where(found, before[jnp.minimum(crossing, pairs - 1)], total[:, None])
     # The next particle lies beyond the radius: it is below when even the heaviest one
     # added to the mass within the radius stays under the threshold mass there.
-    edge = density * jnp.asarray(_FOUR_THIRDS_PI * radius ** 3, density.dtype)
+    edge = density * level.volume
     found = found | (total[:, None] + heaviest < edge[None, :])
     return _Batch(mass, found)
 
 
-def _level(frame: _Frame, centres, pending, density, radius: float, common, box: float,
-           pairs: int, mass):
+def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _Level:
+    """Every level's :class:`_Level`, stacked along a leading axis of ``levels``.
+
+    The column sorts differ in shape from level to level and are done here, once each;
+    everything after them has one shape for all levels, so the search below is one loop
+    over a level index, compiled once, not once per level."""
+    dtype = frame.canon.dtype
+    stacked = []
+    for level in range(levels):
+        r = radius / 2 ** (levels - 1 - level)
+        cols, starts, ends = _windows(frame, centres, search_width(r, box))
+        # Python float64 constants rounded once to the frame's dtype, as a literal would be.
+        stacked.append(_Level(jnp.asarray(r * r, dtype), jnp.asarray(_FOUR_THIRDS_PI * r ** 3,
+                                                                     dtype),
+                              cols.order, starts, ends))
+    return jax.tree.map(lambda *a: jnp.stack(a), *stacked)  # (L, ...)
+
+
+def _search(frame: _Frame, level: _Level, centres, pending, density, common, box: float,
+            pairs: int, mass):
     """One search radius for the ``pending`` centres, in batches that fit ``pairs``.
 
     Returns ``(mass, done, need_pairs)``: masses updated where resolved, the centres
     resolved at this level, and the most candidates one centre needed.
     """
-    cols, starts, ends = _windows(frame, centres, search_width(radius, box))
-    counts = jnp.sum(ends - starts, axis=1)  # (H,)
+    counts = jnp.sum(level.ends - level.starts, axis=1)  # (C,)
     need = jnp.max(jnp.where(pending, counts, 0))
     # A centre whose candidates alone overflow the buffer cannot be handled: it stays
     # unresolved (and the status says how many rows it needed).
@@ -257,10 +285,8 @@ def _level(frame: _Frame, centres, pending, density, radius: float, common, box:
         # Most batches are a few small haloes: a buffer 16 times smaller sorts them faster.
         result = control.cond(
             jnp.max(jnp.where(batch, cum, 0)) <= small,
-            lambda: _batch(frame, cols, starts, ends, batch, centres, density, radius,
-                           common, box, small),
-            lambda: _batch(frame, cols, starts, ends, batch, centres, density, radius,
-                           common, box, pairs))
+            lambda: _batch(frame, level, batch, centres, density, common, box, small),
+            lambda: _batch(frame, level, batch, centres, density, common, box, pairs))
         resolved = batch & jnp.all(result.found, axis=1)
         mass = jnp.where(resolved[:, None], result.mass, mass)
         return todo & ~batch, mass, done | resolved
@@ -306,12 +332,17 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     density = jax.lax.optimization_barrier(jnp.asarray(density, frame.canon.dtype))
     pairs = config.pair_rows(plan.n0)
     result = jnp.zeros((rows, density.shape[0]), frame.canon.dtype)  # (C, D)
-    pending, need_pairs = jnp.arange(rows) < need_centres, jnp.int32(0)
-    for level in range(config.levels):
-        r = radius / 2 ** (config.levels - 1 - level)
-        result, done, need = _level(frame, local, pending, density, r, common, box, pairs,
-                                    result)
-        pending, need_pairs = pending & ~done, jnp.maximum(need_pairs, need)
+    levels = _levels(frame, local, radius, config.levels, box)  # (L, ...)
+
+    def search(index, state):
+        result, pending, need_pairs = state
+        level = jax.tree.map(lambda a: a[index], levels)
+        result, done, need = _search(frame, level, local, pending, density, common, box,
+                                     pairs, result)
+        return result, pending & ~done, jnp.maximum(need_pairs, need)
+
+    result, pending, need_pairs = control.fori_loop(
+        0, config.levels, search, (result, jnp.arange(rows) < need_centres, jnp.int32(0)))
     result = jnp.where(pending[:, None], jnp.nan, result)
     scattered = jnp.zeros((centres.shape[0], density.shape[0]), result.dtype).at[picked].set(
         result, mode="drop")
