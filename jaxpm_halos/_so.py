@@ -257,9 +257,9 @@ def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _
         r = radius / 2 ** (levels - 1 - level)
         cols, starts, ends = _windows(frame, centres, search_width(r, box))
         # Python float64 constants rounded once to the frame's dtype, as a literal would be.
-        stacked.append(_Level(jnp.asarray(r * r, dtype), jnp.asarray(_FOUR_THIRDS_PI * r ** 3,
-                                                                     dtype),
-                              cols.order, starts, ends))
+        volume = _FOUR_THIRDS_PI * r ** 3
+        stacked.append(_Level(jnp.asarray(r * r, dtype), jnp.asarray(volume, dtype), cols.order,
+                              starts, ends))
     return jax.tree.map(lambda *a: jnp.stack(a), *stacked)  # (L, ...)
 
 
