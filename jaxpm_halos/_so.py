@@ -270,8 +270,8 @@ def _search(frame: _Frame, level: _Level, centres, pending, density, common, box
     Returns ``(mass, done, need_pairs)``: masses updated where resolved, the centres
     resolved at this level, and the most candidates one centre needed.
     """
-    counts = jnp.sum(level.ends - level.starts, axis=1)  # (C,)
-    need = jnp.max(jnp.where(pending, counts, 0)).astype(int32)  # int64 with jax_enable_x64
+    counts = jnp.sum(level.ends - level.starts, axis=1, dtype=int32)  # (C,)
+    need = jnp.max(jnp.where(pending, counts, 0))
     # A centre whose candidates alone overflow the buffer cannot be handled: it stays
     # unresolved (and the status says how many rows it needed).
     todo = pending & (counts <= pairs)
