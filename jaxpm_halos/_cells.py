@@ -72,21 +72,62 @@ class CellGrid:
             min_side *= 1.25
 
 
-def for_each_pair_chunk(starts, ends, chunk: int, body, carry):
+# Running counts of candidate pairs saturate just above this, so they never wrap int32:
+# a device holding ~10^8 particles in dense haloes tests more than 2**31 pairs. Two
+# saturated counts still add below 2**31.
+PAIR_COUNT_CAP = 2**30 - 2
+
+
+def saturating_cumsum(values, cap: int):
+    """Inclusive running sums of non-negative int32 ``values`` (each at most ``cap``),
+    exact up to ``cap`` and ``cap + 1`` beyond: never wrapping, unlike ``jnp.cumsum``.
+
+    ``min(a + b, cap + 1)`` is associative for non-negative ``a, b``."""
+    if not 0 < cap <= PAIR_COUNT_CAP:
+        raise ValueError(f"cap must be in [1, {PAIR_COUNT_CAP}], got {cap}")
+    return lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap + 1), values.astype(int32))
+
+
+def for_each_pair_chunk(starts, ends, chunk: int, body, carry, cap: int | None = None):
     """Visit every pair ``(i, j)`` with ``starts[i, s] <= j < ends[i, s]`` in fixed chunks.
 
     The ranges are flattened into one index space, so each pass does ``chunk`` pairs of
     useful work however the pairs are spread over rows: no row's range length sets a loop
     bound. ``body(carry, i, j, live) -> carry`` gets int32 arrays of shape (chunk,).
-    Returns ``(carry, total_pairs)``.
+    Returns ``carry``. Rows are taken in spans of at most ``cap`` pairs, so a device's
+    total may pass int32 (one span unless it does); each row's ranges must be disjoint,
+    so that one row's pairs (at most ``rows``) fit in a span.
     """
-    rows, ranges = starts.shape
+    rows = starts.shape[0]
+    cap = PAIR_COUNT_CAP if cap is None else cap  # read when traced: tests lower it
+    if rows > cap:
+        raise ValueError(f"{rows} rows exceed the {cap} pairs of one span; spread the "
+                         "particles over more devices")
     lengths = jnp.maximum(ends - starts, 0)
-    within = jnp.cumsum(lengths, axis=1, dtype=int32)  # pairs of a row up to each range
-    per_row = within[:, -1]
-    cum = jnp.cumsum(per_row, dtype=int32)
+    within = jnp.cumsum(lengths, axis=1, dtype=int32)  # (R, S) pairs of a row up to each range
+    per_row = within[:, -1]  # (R,)
+    row_ids = jnp.arange(rows, dtype=int32)
+
+    def span(state):
+        r0, carry = state
+        # Rows r0.. whose pairs fit in cap; rows before r0 have none, rows after the span
+        # are given none, so the span's pairs are numbered from 0.
+        cum = saturating_cumsum(jnp.where(row_ids >= r0, per_row, 0), cap)  # (R,)
+        fits = cum <= cap
+        total = jnp.max(jnp.where(fits, cum, 0))
+        mine = jnp.where(fits & (row_ids >= r0), per_row, 0)
+        carry = _pairs_of_span(starts, within, mine, jnp.minimum(cum, total), total, chunk,
+                               body, carry)
+        return jnp.sum(fits, dtype=int32), carry  # cum is monotone: the span ends there
+
+    return control.while_loop(lambda s: s[0] < rows, span, (jnp.int32(0), carry))[1]
+
+
+def _pairs_of_span(starts, within, per_row, cum, total, chunk: int, body, carry):
+    """The chunk loop of :func:`for_each_pair_chunk` over one span: ``per_row`` (R,) pairs
+    of each row in it (0 elsewhere), ``cum`` (R,) their running sum, ``total`` its last."""
+    rows = per_row.shape[0]
     first = cum - per_row
-    total = cum[-1]
     row_ids = jnp.arange(rows, dtype=int32)
 
     def step(state):
@@ -109,8 +150,7 @@ def for_each_pair_chunk(starts, ends, chunk: int, body, carry):
         j = jnp.take_along_axis(starts[i], s[:, None], 1)[:, 0] + (k - before)
         return t0 + chunk, body(carry, i, jnp.where(live, j, i), live)
 
-    _, carry = control.while_loop(lambda s: s[0] < total, step, (jnp.int32(0), carry))
-    return carry, total
+    return control.while_loop(lambda s: s[0] < total, step, (jnp.int32(0), carry))[1]
 
 
 # ----------------------------------------------------------------------------------------

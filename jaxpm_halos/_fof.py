@@ -77,9 +77,9 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
                      image_rows: int, chunk: int | None):
     """Connected components of the friends graph among one device's extended rows.
 
-    Returns ``(component, segments, need_images, pairs)``: for each extended row a component
+    Returns ``(component, segments, need_images)``: for each extended row a component
     index below ``segments`` (the sorted position of its root, shared by exactly the rows of
-    one local component), the rows the z images needed, and the candidate pairs tested.
+    one local component), and the rows the z images needed.
     """
     # Components are integers, so no derivative flows through them; without this,
     # jax.hessian of a catalogue field failed in JAX's forward mode of the binary searches.
@@ -126,10 +126,10 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
     # test below uses canonical coordinates.
     starts, ends = half_shell_windows(cols, jnp.asarray(width, pos.dtype))
     empty = jnp.zeros(buffer, int32)
-    state, pairs = for_each_pair_chunk(starts, ends, chunk, link_chunk,
-                                       (parent, empty, empty, jnp.int32(0)))
+    state = for_each_pair_chunk(starts, ends, chunk, link_chunk,
+                                (parent, empty, empty, jnp.int32(0)))
     parent = flush(state)[0]
-    return parent[rank[:n_ext]], rows, need_images, pairs
+    return parent[rank[:n_ext]], rows, need_images
 
 
 def merge_labels(ext: Extended, ghosts: Ghosts, pencils: Pencils, component, segments: int):
@@ -277,7 +277,7 @@ def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_lengt
     ext, migrated = decomposition.ext, decomposition.migrated
     capacity = ext.owned
     halo_rows = config.halo_rows(plan.n0)
-    component, segments, need_images, _ = local_components(
+    component, segments, need_images = local_components(
         ext, pencils, linking_length, plan.width, plan.image_rows, config.chunk_size)
     labels, _ = merge_labels(ext, decomposition.ghosts, pencils, component, segments)
     is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)

@@ -42,7 +42,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import _control as control
-from ._cells import CellGrid, _x64, column_start, search_columns, sort_columns, z_order
+from ._cells import (CellGrid, _x64, column_start, saturating_cumsum, search_columns,
+                     sort_columns, z_order)
 from ._config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
 from ._domain import Decomposition, common_mass, pmax_all, psum_all, selection
 from ._fof import ghost_width as fof_ghost_width, widest_linking_length, z_images
@@ -280,7 +281,7 @@ def _search(frame: _Frame, level: _Level, centres, pending, density, common, box
 
     def body(state):
         todo, mass, done = state
-        cum = jnp.cumsum(jnp.where(todo, counts, 0))
+        cum = saturating_cumsum(jnp.where(todo, counts, 0), pairs)  # never wraps int32
         batch = todo & (cum <= pairs)
         # Most batches are a few small haloes: a buffer 16 times smaller sorts them faster.
         result = control.cond(

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
 import reference as ref
@@ -591,3 +592,50 @@ def test_compiler_options_for_a_users_jit_give_the_same_bits():
     tuned = jax.jit(step, compiler_options=jh.compiler_options())(pos)
     for a, b in zip(plain, tuned):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pair_chunks_visit_every_pair_once_however_many_spans():
+    """``for_each_pair_chunk`` with a span cap far below the total visits each ``(i, j)``
+    of every row's ranges exactly once, as a device whose pairs pass int32 must."""
+    from jaxpm_halos._cells import for_each_pair_chunk, saturating_cumsum
+
+    rows, chunk = 60, 16
+    cuts = np.sort(np.random.default_rng(0).integers(0, rows + 1, (rows, 6)), axis=1)
+    starts, ends = cuts[:, 0::2], cuts[:, 1::2]  # (R, 3) disjoint ranges, some empty
+    want = np.zeros((rows, rows), np.int32)
+    for i in range(rows):
+        for s, e in zip(starts[i], ends[i]):
+            want[i, s:e] += 1
+    assert want.sum() > 10 * rows
+
+    def body(seen, i, j, live):
+        return seen.at[i, j].add(live.astype(jnp.int32))
+
+    for cap in (rows, 7 * rows, None):
+        got = jax.jit(lambda a, b: for_each_pair_chunk(a, b, chunk, body,
+                                                       jnp.zeros((rows, rows), jnp.int32),
+                                                       cap))(starts, ends)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"cap {cap}")
+
+    values = np.full(6, 2**29, np.int32)  # their running sum passes 2**31 at the fourth
+    assert np.asarray(jnp.cumsum(values))[3] < 0  # what a plain int32 sum does
+    np.testing.assert_array_equal(np.asarray(saturating_cumsum(values, 2**30 - 2)),
+                                  [2**29, 2**30 - 1, 2**30 - 1, 2**30 - 1, 2**30 - 1, 2**30 - 1])
+
+
+def test_labels_match_scipy_when_a_devices_pairs_take_many_spans(monkeypatch):
+    """A dense clump with many times a (lowered) span cap of candidate pairs, as a device
+    past int32 has: the labels are still scipy's."""
+    from jaxpm_halos import _cells
+
+    cap = 10_000
+    monkeypatch.setattr(_cells, "PAIR_COUNT_CAP", cap)
+    # A lattice clump (spacing 0.06, 133 friends each) keeps pair distances off the link.
+    lattice = 0.06 * np.stack(np.meshgrid(*[np.arange(10)] * 3), -1).reshape(-1, 3)
+    background = np.random.default_rng(3).uniform(0, BOX, (837, 3))  # N unique
+    pos = np.concatenate([BOX / 2 + lattice, background]).astype(np.float32)
+    link = ref.unambiguous_linking_length(pos, BOX, 0.194)
+    linked = len(cKDTree(pos, boxsize=BOX).query_pairs(link))
+    assert linked > 4 * cap  # every linked pair is a candidate once: at least 5 spans
+    labels, _ = jh.fof(pos, BOX, link, min_members=10)
+    np.testing.assert_array_equal(np.asarray(labels), ref.fof_labels(pos, BOX, link))
