@@ -81,7 +81,10 @@ def batch_slots(local, valid, batch: int, gap: float, span: float):
     first = lax.cummax(jnp.where(brk, i, 0))
     brk = brk | (jnp.max(jnp.abs(local - local[first]), axis=1) > span)
     brk, in_run = runs(brk)
-    slot = (jnp.cumsum(brk.astype(int32)) - 1) * batch + in_run % batch
+    run = jnp.cumsum(brk.astype(int32)) - 1
+    # Runs past the last whole batch get no slot. They are told by the run, not by
+    # run * batch, which wraps int32 for them from ~10^8 queries on.
+    slot = jnp.where(run <= (n - 1) // batch, run * batch + in_run % batch, n)
     slot = jnp.where(valid & (slot < n), slot, n)
     used = jnp.max(jnp.where(slot < n, slot + 1, 0))
     return slot, used
