@@ -623,6 +623,7 @@ def test_pair_chunks_visit_every_pair_once_however_many_spans():
                                   [2**29, 2**30 - 1, 2**30 - 1, 2**30 - 1, 2**30 - 1, 2**30 - 1])
 
 
+@pytest.mark.slow
 def test_labels_match_scipy_when_a_devices_pairs_take_many_spans(monkeypatch):
     """A dense clump with many times a (lowered) span cap of candidate pairs, as a device
     past int32 has: the labels are still scipy's."""
