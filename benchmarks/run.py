@@ -199,7 +199,7 @@ def insitu_in_solve(rows):
     solve (its time without the analyses over its steps; LeapfrogMidpoint takes one force
     per step)."""
     import diffrax
-    from insitu_save_times import analyses, initial_state, solve
+    from insitu_save_times import analyses, initial_state, recipe
 
     nc, box, steps = RECIPE["nc"], RECIPE["box"], RECIPE["steps"]
     mesh = mesh_of((2, 4))
@@ -207,8 +207,8 @@ def insitu_in_solve(rows):
     y0 = jax.jit(lambda: initial_state(nc, box, sharding, 0))()
     insitu = analyses(RECIPE["box"])
     for ts in RECIPE_SAVES:
-        off = jax.jit(lambda y: solve(nc, steps, sharding, diffrax.SaveAt(ts=jnp.asarray(ts)), y))
-        on = jax.jit(lambda y: solve(nc, steps, sharding, insitu.saveat(ts, t0=0.1, t1=1.0), y))
+        off = recipe(nc, steps, mesh, diffrax.SaveAt(ts=jnp.asarray(ts)))
+        on = recipe(nc, steps, mesh, insitu.saveat(ts, t0=0.1, t1=1.0))
         first_off, t_off, _ = timed(lambda: off(y0))
         first, t_on, (out, ok) = timed(lambda: on(y0))
         if not bool(ok):
