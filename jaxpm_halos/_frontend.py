@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from ._geometry import wrap
 from ._layout import Layout, layout_of
-from ._particles import Particles, _check_box_size, check_row_count
+from ._particles import (Particles, _check_box_size, check_real, check_row_count,
+                         real_floats)
 from ._status import invalid_input, is_traced
 
 int32 = jnp.int32
@@ -203,9 +204,9 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
     if box_size is None:
         raise ValueError("box_size is required for position arrays")
     box_size = _check_box_size(box_size)
-    pos = _at_least_float32(pos, "positions")
+    pos = real_floats(pos, "positions")
     if vel is not None:
-        vel = _at_least_float32(vel, "vel")
+        vel = real_floats(vel, "vel")
     pos = _screen_masses(mass, pos)
     layout = layout_of(pos, box_size, mesh)
     check_row_count(int(np.prod(layout.shape)))  # before padding rows are appended
@@ -222,6 +223,7 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
         specs.append(spec)
     mass_kind, static_mass = "static", 1.0
     if mass is not None:
+        check_real(mass, "mass")
         if isinstance(mass, (int, float, np.number)) or (not isinstance(mass, jax.core.Tracer)
                                                           and np.ndim(mass) == 0):
             static_mass = float(mass)
@@ -230,7 +232,7 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
             args.append(jnp.asarray(mass, pos.dtype))
             specs.append(P())
         else:
-            mass = _at_least_float32(mass, "mass")
+            mass = real_floats(mass, "mass")
             if tuple(mass.shape) != tuple(pos.shape[:-1]):
                 raise ValueError(f"mass must be a scalar or of shape {pos.shape[:-1]}, "
                                  f"got {mass.shape}")
@@ -285,19 +287,6 @@ def _screen_masses(mass, pos):
         raise invalid_input(f"jaxpm_halos: {count} particle masses are NaN, inf or "
                             "negative; masses must be finite and >= 0.", count)
     return pos
-
-
-def _at_least_float32(x, name: str):
-    """An array-like as an array computed in float32 at least: integer and half-precision
-    (float16, bfloat16) input is converted to float32, wider floats pass unchanged; other
-    kinds (complex, strings) raise, naming the argument ``name``."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        x = np.asarray(x)
-    if np.dtype(x.dtype).kind not in "biuf" and x.dtype != jnp.bfloat16:
-        raise ValueError(f"{name} must hold real numbers, got dtype {x.dtype}")
-    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits >= 32:
-        return x
-    return jnp.asarray(x, jnp.float32)
 
 
 def local_fields(problem: Problem, *blocks):

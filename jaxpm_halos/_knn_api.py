@@ -21,7 +21,7 @@ from ._frontend import (Problem, local_fields, local_valid, particle_fields, par
 from ._geometry import wrap
 from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances, overdensity
 from ._layout import Pencils
-from ._particles import Particles, integer_value
+from ._particles import Particles, integer_value, real_floats
 from ._pipeline import (JitProgram, Plan, Step, analyse, blank_rows, on_device, plan_for,
                         run_sharded)
 from ._retry import run_growing
@@ -228,10 +228,7 @@ def _check_total_mass(problem, mass):
 
 def _query_rows(query, devices: int):
     """Flatten query points to (M, 3) and pad them to a multiple of the device count."""
-    if not hasattr(query, "shape"):
-        query = jnp.asarray(query)
-    if not jnp.issubdtype(query.dtype, jnp.floating):
-        query = jnp.asarray(query, jnp.float32)
+    query = jnp.asarray(real_floats(query, "query points"))
     if query.ndim < 1 or query.shape[-1] != 3:
         raise ValueError(f"query points must have a trailing axis of size 3, got {query.shape}")
     lead = tuple(query.shape[:-1])
@@ -410,7 +407,8 @@ def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | N
     if query is None:
         step = self_step(plan, spec)
     else:
-        query = jnp.asarray(query).reshape(-1, 3).astype(particles.pos.dtype)
+        query = jnp.asarray(real_floats(query, "query points"))
+        query = query.reshape(-1, 3).astype(particles.pos.dtype)
         qvalid = (jnp.ones(query.shape[0], bool) if query_valid is None
                   else jnp.asarray(query_valid, bool).reshape(-1))
         step = query_step(plan, spec, query, qvalid, query.shape[0])

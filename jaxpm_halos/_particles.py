@@ -60,11 +60,9 @@ class Particles:
         ids with ``np.unique(ids, return_inverse=True)`` and map the results back.
         """
         box_size = _check_box_size(box_size)
-        pos = jnp.asarray(pos)
+        pos = jnp.asarray(real_floats(pos, "positions"))
         if pos.shape[-1:] != (3,):
             raise ValueError(f"positions must have a trailing axis of size 3, got {pos.shape}")
-        if not jnp.issubdtype(pos.dtype, jnp.floating):
-            pos = pos.astype(jnp.float32)
         shape = pos.shape[:-1]
         size = int(jnp.size(pos) // 3)
         num = _checked_num(num, size)
@@ -111,6 +109,26 @@ class Particles:
                                    id=jnp.where(valid, self.id, -1), mass=mass)
 
 
+def check_real(x, name: str) -> None:
+    """Raise unless ``x`` (an array, a Python or numpy scalar) holds integers or floats."""
+    dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+    if dtype.kind not in "iuf" and dtype != jnp.bfloat16:
+        raise ValueError(f"{name} must hold real numbers, got dtype {dtype}")
+
+
+def real_floats(x, name: str):
+    """An array-like as an array of real floats, float32 at least: integer and
+    half-precision (float16, bfloat16) input becomes float32, wider floats pass unchanged.
+    Booleans (a mask passed by mistake), complex numbers and strings raise, naming the
+    argument ``name``."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    check_real(x, name)
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits >= 32:
+        return x
+    return jnp.asarray(x, jnp.float32)
+
+
 INT32_MAX = int(np.iinfo(np.int32).max)
 ID_MAX = INT32_MAX - 1  # the int32 maximum marks "no id" in the kernels
 
@@ -128,9 +146,7 @@ def _check_row_field(name: str, value, shape: tuple) -> None:
     complex value would fail (or be cast) far from here."""
     if value is None:
         return
-    dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
-    if dtype.kind not in "biuf":
-        raise ValueError(f"{name} must hold real numbers, got {value!r}")
+    check_real(value, name)
     if tuple(np.shape(value)) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (the positions' rows), "
                          f"got {tuple(np.shape(value))}")

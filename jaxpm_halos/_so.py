@@ -50,7 +50,7 @@ from ._fof import ghost_width as fof_ghost_width, widest_linking_length, z_image
 from ._frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
 from ._geometry import periodic_distance2, wrap
 from ._layout import Pencils
-from ._particles import _check_integer
+from ._particles import _check_integer, real_floats
 from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
 from ._retry import run_growing
 from ._status import Limit, Status, is_traced, refuse_nonfinite_points
@@ -387,7 +387,9 @@ def so_step(plan: Plan, centres, centre_valid, density, config: SOConfig, radius
 
 
 @program_cache(32)
-def _so_program(problem: Problem, in_specs, config: SOConfig, radius: float):
+def _so_program(problem: Problem, in_specs, config: SOConfig, radius: float, empty: bool):
+    """``empty``: no centres were given; the program gets one placeholder centre, marked
+    invalid (nothing is searched about it, and it cannot fail the status)."""
     layout = problem.layout
     plan = plan_for(problem, config.domain, search_width(radius, problem.box_size))
 
@@ -396,7 +398,8 @@ def _so_program(problem: Problem, in_specs, config: SOConfig, radius: float):
         fields, shape = local_fields(problem, *blocks)
         fields["mass"] = row_masses(problem, fields)
         valid = local_valid(problem, fields["pos"].shape[0])
-        step = so_step(plan, centres, jnp.ones(centres.shape[0], bool), density, config, radius)
+        centre_valid = jnp.full(centres.shape[0], not empty)
+        step = so_step(plan, centres, centre_valid, density, config, radius)
         return on_device(plan, fields, valid, shape, {"so": step})
 
     specs = tuple(in_specs) + (P(), P())
@@ -416,9 +419,9 @@ def check_densities(density):
 
 
 def _centres(centres, dtype):
-    c = jnp.asarray(centres)
-    if c.ndim != 2 or c.shape[-1] != 3 or c.shape[0] == 0:
-        raise ValueError(f"centres must have shape (H, 3) with H >= 1, got {c.shape}")
+    c = jnp.asarray(real_floats(centres, "SO centres"))
+    if c.ndim != 2 or c.shape[-1] != 3:
+        raise ValueError(f"centres must have shape (H, 3), got {c.shape}")
     refuse_nonfinite_points(c, "SO centres", "centres must be finite")
     return c.astype(dtype)
 
@@ -478,17 +481,21 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
     config = SOConfig() if config is None else config
     density, scalar = check_densities(density)
     centres = _centres(centres, args[0].dtype)
-    args = args + (centres, density.astype(args[0].dtype))
+    empty = centres.shape[0] == 0
+    placeholder = jnp.zeros((1, 3), centres.dtype) if empty else centres  # (max(H, 1), 3)
+    args = args + (placeholder, density.astype(args[0].dtype))
 
     def run(cfg):
         radius = resolve_radius(cfg, problem.mean_separation, problem.pencils)
-        return _so_program(problem, in_specs, cfg, radius)(*args)
+        return _so_program(problem, in_specs, cfg, radius, empty)(*args)
 
     if is_traced(args):
         out = _count_nonfinite_centres(run(config), centres)
     else:  # _centres refused non-finite centres
         out, _ = run_growing(run, config, lambda o: o["status"].failure(), grow=grow)
     radius, so_mass, status = out["radius"], out["mass"], out["status"]
+    if empty:
+        radius, so_mass = radius[:0], so_mass[:0]
     if scalar:
         radius, so_mass = radius[:, 0], so_mass[:, 0]
     return (radius, so_mass, status) if with_status else (radius, so_mass)

@@ -320,7 +320,8 @@ def test_min_members_beyond_int32_is_refused_by_name():
     (dict(vel=np.zeros((64, 2))), r"vel must have shape \(64, 3\).*got \(64, 2\)"),
     (dict(mass=np.ones(65)), r"mass must have shape \(64,\).*got \(65,\)"),
     (dict(mass=np.ones((64, 1))), r"mass must have shape \(64,\).*got \(64, 1\)"),
-    (dict(mass="1"), r"mass must hold real numbers, got '1'"),
+    (dict(mass="1"), r"mass must hold real numbers, got dtype <U1"),
+    (dict(mass=np.ones(64, bool)), r"mass must hold real numbers, got dtype bool"),
     (dict(vel=np.zeros((64, 3), complex)), r"vel must hold real numbers"),
 ])
 def test_particles_refuse_a_num_or_row_field_that_does_not_fit_the_rows(kwargs, message):
@@ -344,6 +345,24 @@ def test_complex_or_text_inputs_are_refused_by_name():
         jh.fof(pos, 10.0, 0.5, vel=pos.astype(complex))
     with pytest.raises(ValueError, match=r"positions must hold real numbers, got dtype <U"):
         jh.knn([["1", "2", "3"]] * 8, 10.0, 2)
+
+
+def test_boolean_inputs_are_refused_by_name():
+    # A mask passed where coordinates or masses belong was taken as 0 and 1.
+    pos = np.random.default_rng(4).uniform(0, 10.0, (64, 3)).astype(np.float32)
+    mask = pos > 5
+    calls = {
+        "positions": lambda: jh.fof(mask, 10.0, 0.5),
+        "query points": lambda: jh.knn_density(pos, 10.0, 2, query=mask[:4]),
+        "SO centres": lambda: jh.spherical_overdensity(pos, mask[:4], box_size=10.0,
+                                                       density=1.0),
+        "mass": lambda: jh.fof(pos, 10.0, 0.5, mass=True),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"{name} must hold real numbers, got dtype bool"):
+            call()
+    with pytest.raises(ValueError, match="positions must hold real numbers, got dtype bool"):
+        jh.Particles.create(mask, 10.0)
 
 
 def test_velocities_and_masses_may_be_lists():

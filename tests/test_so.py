@@ -244,6 +244,19 @@ def test_pair_buffer_batches_and_overflow():
                                  config=jh.SOConfig(pair_factor=0.0), grow=False)
 
 
+def test_no_centres_give_empty_results_inside_and_outside_jit():
+    # A catalogue with no haloes (a small box, an early snapshot) was refused: "H >= 1".
+    empty = np.zeros((0, 3), np.float32)
+    radius, mass, status = jh.spherical_overdensity(POS, empty, box_size=BOX,
+                                                    density=DENSITIES, with_status=True)
+    assert radius.shape == mass.shape == (0, len(DENSITIES)) and bool(status.ok)
+    f = jax.jit(lambda c: jh.spherical_overdensity(POS, c, box_size=BOX, density=DENSITIES[0],
+                                                   mesh=make_mesh((2, 4)), with_status=True))
+    radius, mass, status = f(jnp.asarray(empty))
+    assert radius.shape == mass.shape == (0,) and radius.dtype == jnp.float32
+    assert bool(status.ok) and not bool(status.not_run)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="centres"):
         jh.spherical_overdensity(POS, CENTRES[:, :2], box_size=BOX, density=1.0)
