@@ -74,7 +74,7 @@ def radius_limit(radius: float, pencils: Pencils) -> Limit:
                  searched=True,
                  beyond="a third of the box and the narrower pencil side of the mesh. Some "
                  "centre's enclosed density is still above the threshold there: a threshold "
-                 "at or below the mean density is never reached (SO thresholds are densities "
+                 "at or below the mean density may never be reached (SO thresholds are densities "
                  "in mass per volume, e.g. 200 times the mean: see jaxpm_halos.units), or the "
                  "halo is too large for this box (on a mesh, fewer devices along its narrow "
                  "axis allow a larger radius)")
