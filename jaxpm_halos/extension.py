@@ -49,7 +49,7 @@ from ._jaxpm import check_state_positions, resolve_pm_nc
 from ._knn import ghost_width as knn_ghost_width, overdensity
 from ._knn_api import check_k, knn_density_on_plan, knn_on_decomposition
 from ._layout import Pencils
-from ._particles import Particles, _check_integer, check_scale_factor
+from ._particles import Particles, _check_integer, check_real, check_scale_factor
 from ._pipeline import (KINDS, JitProgram, Plan, Step, on_device, plan_for, replication_status,
                         run_sharded)
 from ._so import resolve_radius
@@ -371,7 +371,8 @@ class InSitu:
         report overflows (:func:`check`), and outside, where a buffer that overflowed is
         grown and the analyses run again (``grow=False``: raise an error naming a setting
         that fits). An integer
-        or half-precision state is computed in float32.
+        or half-precision state is computed in float32; a boolean or complex one raises
+        ``ValueError``.
 
         SO thresholds (``so=``) are those of ``fof(so=..., omega_m=..., a=a)``, computed
         in float64 from ``a`` when it is concrete, and, when ``a`` is traced, from the
@@ -420,7 +421,9 @@ class InSitu:
                             "array), not traced ones: they are checked, and the SO thresholds "
                             "computed, on the host. Build the SaveAt outside jit (or from "
                             "static times) and pass it into the jitted solve")
-        ts = np.asarray(ts, dtype=float)
+        ts = np.asarray(ts)
+        check_real(ts, "snapshot times")  # not text (numpy would parse it), bool or complex
+        ts = ts.astype(float)
         if ts.ndim > 1:
             raise ValueError(f"snapshot times must be one time or a 1-D sequence, got shape "
                              f"{ts.shape}")
@@ -504,6 +507,7 @@ def _state_array(y):
             or not y.shape[1] == y.shape[2] == y.shape[3]:
         raise ValueError(f"expected a JaxPM state of shape (2, nc, nc, nc, 3), got "
                          f"{getattr(y, 'shape', None)}")
+    check_real(y, "the JaxPM state")  # a complex one would lose its imaginary part
     if jnp.issubdtype(y.dtype, jnp.floating) and jnp.finfo(y.dtype).bits >= 32:
         return y
     return y.astype(jnp.float32)

@@ -244,7 +244,10 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
       ValueError: before anything is written, for a catalogue of unknown units without
         ``units``, a setting out of range (``box_size``,
         ``linking_length``, ``b`` positive and finite, ``a`` in ``(0, inf)``, ``nc`` and
-        ``min_members`` positive integers), an ``attrs`` name in :data:`RESERVED`, a
+        ``min_members`` positive integers, ``linking_length`` equal to
+        ``b * box_size / nc`` within 0.1%), a catalogue that lacks a field of
+        :data:`REQUIRED` or holds a group smaller than ``min_members``, an ``attrs`` name
+        in :data:`RESERVED`, a
         ``units`` key naming no field, SO dataset or attribute (a misspelling), a
         field that is neither in :data:`FIELDS` nor an SO mass and radius pair (it would
         not be read back), ids that are not unique and sorted (a dict catalogue), or a
@@ -267,7 +270,8 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     cosmology = {str(k): _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
     units = _units(catalogue, units)  # before the gather, which is collective
     fields = gather_catalogue(catalogue, snapshot, throw=throw)
-    ids = np.asarray(fields.get("id", ()))
+    _check_written_rows(fields, root["min_members"])
+    ids = np.asarray(fields["id"])
     if ids.ndim != 1 or np.any(ids[1:] <= ids[:-1]):
         raise ValueError("write_catalogue: the catalogue's ids must be unique and sorted, one "
                          "halo per row (as Catalogue.to_numpy() gives them): sort the rows by "
@@ -394,6 +398,21 @@ def _write(path, fields, units, root, cosmology):
         f.create_group("units").attrs.update(units)
 
 
+def _check_written_rows(fields: Mapping[str, Any], min_members: int) -> None:
+    """Refuse rows that :func:`load_catalogue` would not read back (a field of
+    :data:`REQUIRED` missing) or that the ``min_members`` written with them contradicts."""
+    missing = [name for name in REQUIRED if name not in fields]
+    if missing:
+        raise ValueError(f"write_catalogue: the catalogue lacks {missing}, which "
+                         f"load_catalogue requires (fields {REQUIRED}); write a whole "
+                         "catalogue (Catalogue.to_numpy() gives every field)")
+    count = np.asarray(fields["count"])
+    if count.size and int(count.min()) < min_members:
+        raise ValueError(f"write_catalogue: min_members={min_members}, but the catalogue "
+                         f"holds a group of {int(count.min())} members; give the "
+                         "min_members the catalogue was built with")
+
+
 def _run_attrs(box_size, nc, a, linking_length, b, min_members) -> dict:
     """The validated root attributes that describe the run."""
     from ._particles import _check_integer
@@ -408,8 +427,15 @@ def _run_attrs(box_size, nc, a, linking_length, b, min_members) -> dict:
         if not (value > 0 and np.isfinite(value)):
             raise ValueError(f"{name} must be positive and finite, got {value}")
         values[name] = value
+    nc = _check_integer("nc", nc, 1)
+    link = values["b"] * values["box_size"] / nc
+    if abs(values["linking_length"] - link) > 1e-3 * link:
+        raise ValueError(f"linking_length={values['linking_length']:g} is not "
+                         f"b * box_size / nc = {values['b']:g} * {values['box_size']:g} / {nc} "
+                         f"= {link:g}: give the b and linking_length the catalogue was built "
+                         "with")
     return {"format": FORMAT, "version": VERSION, "box_size": values["box_size"],
-            "nc": _check_integer("nc", nc, 1), "a": values["a"],
+            "nc": nc, "a": values["a"],
             "redshift": 1.0 / values["a"] - 1.0, "linking_length": values["linking_length"],
             "b": values["b"], "min_members": _check_integer("min_members", min_members, 1)}
 

@@ -616,6 +616,22 @@ def test_snapshot_times_out_of_order_are_refused():
     insitu.saveat((0.5, 0.5, 1.0))  # a repeated time is a repeated snapshot
     with pytest.raises(TypeError, match="concrete save times"):  # was a bare tracer error
         jax.jit(lambda ts: insitu.saveat(ts).subs.ts)(jnp.asarray([0.5, 1.0]))
+    # Text was parsed as numbers by numpy; complex times met numpy's own TypeError.
+    for ts, dtype in ((["0.5", "1.0"], "<U3"), ([0.5 + 1j], "complex128")):
+        with pytest.raises(ValueError, match=f"snapshot times must hold real numbers, got "
+                                             f"dtype {dtype}"):
+            insitu.saveat(ts, t0=0.1, t1=1.0)
+
+
+def test_a_boolean_or_complex_state_is_refused():
+    # A complex state was cast to its real part (only numpy's ComplexWarning said so), a
+    # boolean one taken as displacements of 0 and 1.
+    insitu = InSitu(box_size=32.0, analyses=("fof",))
+    y = np.zeros((2, 8, 8, 8, 3), np.float32)
+    for bad in (y.astype(np.complex64), y > 0):
+        with pytest.raises(ValueError, match=f"the JaxPM state must hold real numbers, got "
+                                             f"dtype {bad.dtype}"):
+            insitu(bad, 1.0)
 
 
 def test_an_analysis_asking_for_a_layer_wider_than_a_pencil_is_named():

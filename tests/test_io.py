@@ -157,6 +157,11 @@ def test_load_rejects_other_files(tmp_path):
     (dict(b=0.0), "b must be positive and finite"),
     (dict(linking_length=float("nan")), "linking_length must be positive and finite"),
     (dict(min_members=2.5), "min_members must be an integer"),
+    # metadata that contradicts itself or the rows (the catalogue's groups have >= 5)
+    (dict(linking_length=0.5), r"linking_length=0.5 is not b \* box_size / nc = "
+                               r"0.2 \* 32 / 16 = 0.4"),
+    (dict(min_members=400), r"min_members=400, but the catalogue holds a group of \d+ "
+                            "members"),
     (dict(attrs={"format": "mine"}), r"attrs: 'format' is reserved"),
     (dict(attrs={"num_halos": 99999}), r"attrs: 'num_halos' is reserved"),
     (dict(attrs={"cosmology": 1}), r"attrs: 'cosmology' is reserved"),
@@ -170,6 +175,16 @@ def test_bad_settings_raise_before_any_file_is_made(tmp_path, change, message):
     cat = _catalogue(np.random.default_rng(4), 5)
     with pytest.raises(ValueError, match=message):
         write_catalogue(tmp_path / "bad.h5", cat, **{**META, **change})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_catalogue_without_a_required_field_is_not_written(tmp_path):
+    # load_catalogue refused the file afterwards ("the catalogue file lacks [...]").
+    cat = _catalogue(np.random.default_rng(4), 5)
+    partial = {name: cat[name] for name in ("id", "count", "pos")}
+    with pytest.raises(ValueError, match=r"the catalogue lacks \['mass', 'radius'\], which "
+                                         "load_catalogue requires"):
+        write_catalogue(tmp_path / "partial.h5", partial, **META)
     assert list(tmp_path.iterdir()) == []
 
 
