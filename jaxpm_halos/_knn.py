@@ -268,9 +268,16 @@ def overdensity(rho, total_mass, box_size: float):
     one expression for every caller, so offline and in-situ values are the same bits: those
     of the formula applied to the density itself. Both operands are formed apart (XLA
     would otherwise fold the divisions of the density and of the mean into one, rounded
-    differently)."""
+    differently).
+
+    Rows without a finite density (NaN for rows not computed, inf for coincident points)
+    keep their value but take no derivative through the mean: the padding rows' NaN times
+    their zero cotangent would otherwise make the mean's derivative, and so every mass's,
+    NaN."""
+    finite = jnp.isfinite(rho)
     rho, mean = lax.optimization_barrier((rho, total_mass / box_size ** 3))
-    return rho / mean - 1
+    return jnp.where(finite, jnp.where(finite, rho, 0) / mean,
+                     rho / lax.stop_gradient(mean)) - 1
 
 
 def knn_density_of(query_pos, nb: Neighbours, k: int, box_size: float):

@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -104,12 +105,15 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
 
 
 def _total_mass(plan: Plan, valid, mass, count, equal_masses: bool):
-    """The particles' total mass, replicated. Equal masses: N m, with N (``count``) exact,
-    so the mean is the same bits on every mesh (a float sum depends on the order) and in
-    situ (InSitu's nc**3 m)."""
-    if equal_masses:
-        return count * pmax_all(plan.pencils, jnp.max(jnp.where(valid, mass, 0)))
-    return psum_all(plan.pencils, jnp.sum(jnp.where(valid, mass, 0)))
+    """The particles' total mass, replicated, with the sum's derivative (each mass counts
+    once). Equal masses: the value is N m, with N (``count``) exact, so the mean is the
+    same bits on every mesh (a float sum depends on the order) and in situ (InSitu's
+    nc**3 m); ``pmax`` has no derivative, so the sum carries it."""
+    total = psum_all(plan.pencils, jnp.sum(jnp.where(valid, mass, 0)))
+    if not equal_masses:
+        return total
+    each = pmax_all(plan.pencils, lax.stop_gradient(jnp.max(jnp.where(valid, mass, 0))))
+    return count * each + (total - lax.stop_gradient(total))
 
 
 def _trusted(plan: Plan, decomposition: Decomposition, nb, status, valid):
