@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._cells import sort_rows
-from ._domain import common_mass, pmax_all, route, route_needs, selection
+from ._domain import (common_mass, pmax_all, route, route_needs, selection,
+                      valued_with_derivative_of)
 from ._geometry import periodic_delta, wrap
 from ._layout import Pencils
 from ._status import Status
@@ -276,13 +277,12 @@ def _combine(rows, n, box, min_members, halo_rows, common):
     # A group of massless members has no mass-weighted centre, velocity or radius (0 / 0).
     undefined = lambda a: jnp.where((mass > 0).reshape((-1,) + (1,) * (a.ndim - 1)), a,
                                     jnp.nan)
-    # Equal masses: the reported mass is count * m, the same bits on every mesh, with the
-    # sum's derivative (each member's mass counts once). The float sum is within a factor
-    # of 2 of count * m (1% apart at a million members), so their difference is exact
-    # (Sterbenz) and mass + difference is count * m exactly.
+    # Equal masses: the reported mass is count * m, the same bits on every mesh (a float
+    # sum rounds in an order that depends on the mesh), with the sum's derivative (each
+    # member's mass counts once).
     equal, each = common
     exact = count.astype(mass.dtype) * each.astype(mass.dtype)
-    reported = mass + jax.lax.stop_gradient(jnp.where(equal, exact - mass, 0))
+    reported = jnp.where(equal, valued_with_derivative_of(exact, mass), mass)
     fields = {"id": jax.ops.segment_max(jnp.where(valid, label, -1), seg, num_segments=halo_rows),
               "count": count, "mass": reported, "pos": undefined(wrap(ref + com, box)),
               "radius": undefined(jnp.sqrt(jnp.maximum(q / safe, 0))),

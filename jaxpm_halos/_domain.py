@@ -89,6 +89,13 @@ def common_mass(pencils: Pencils, mass, valid):
     return heaviest == -negated_lightest, heaviest
 
 
+def valued_with_derivative_of(value, like):
+    """``value``, with the derivative of ``like``: exact counts times a common mass keep
+    their bits while taking the float sum's derivative (``like - like`` is exactly 0, for
+    any rounding of the sum, where ``value - like`` need not be)."""
+    return value + (like - lax.stop_gradient(like))
+
+
 # ----------------------------------------------------------------------------------------
 # All-to-all routing
 

@@ -11,12 +11,12 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ._config import KNNConfig
-from ._domain import Decomposition, pmax_all, psum_all
+from ._domain import Decomposition, pmax_all, psum_all, valued_with_derivative_of
 from ._frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
                         prepare, program_cache, row_masses, trim_padding)
 from ._geometry import wrap
@@ -113,7 +113,7 @@ def _total_mass(plan: Plan, valid, mass, count, equal_masses: bool):
     if not equal_masses:
         return total
     each = pmax_all(plan.pencils, lax.stop_gradient(jnp.max(jnp.where(valid, mass, 0))))
-    return count * each + (total - lax.stop_gradient(total))
+    return valued_with_derivative_of(count * each, total)
 
 
 def _trusted(plan: Plan, decomposition: Decomposition, nb, status, valid):
