@@ -544,6 +544,26 @@ def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one():
     assert np.isfinite(scalar) and abs(float(scalar)) < 1e-5 * scale
 
 
+def test_gradient_with_respect_to_query_points_is_the_analytic_one():
+    """d sum(w * dist) / d query: each distance moves with its query point along the unit
+    offset from the neighbour (neighbours held fixed), wrapped across the box."""
+    rng = np.random.default_rng(5)
+    box, n, k = 8.0, 512, 4
+    pos = rng.uniform(0, box, (n, 3)).astype(np.float32)
+    query = rng.uniform(0, box, (61, 3)).astype(np.float32)
+    query[0] = [0.01, 4.0, 7.99]  # neighbours across two faces
+    weights = rng.uniform(0.5, 1.5, (61, k)).astype(np.float32)
+    mesh = make_mesh((2, 4))
+    dist = lambda q: jh.knn(pos, box, k, mesh=mesh, query=q)[0]
+    grad = np.asarray(jax.jit(jax.grad(lambda q: jnp.sum(weights * dist(q))))(query))
+    _, idx = jh.knn(pos, box, k, mesh=mesh, query=query)
+    offset = query[:, None, :].astype(np.float64) - pos[np.asarray(idx)]  # (61, k, 3)
+    offset -= box * np.round(offset / box)
+    unit = offset / np.linalg.norm(offset, axis=-1, keepdims=True)
+    want = np.sum(weights[..., None] * unit, axis=1)
+    np.testing.assert_allclose(grad, want, rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.newest
 def test_local_api_inside_user_shard_map(clustered):
     k = 8
