@@ -516,9 +516,19 @@ def test_gradients_equal_the_analytic_gradient_with_the_neighbours_held_fixed():
     np.testing.assert_allclose(grad, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
-def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one():
-    """Reverse mode of sum(w * delta) with respect to per-particle masses (N = 510 on 8
-    devices, so padded): the masses enter each density's sum and the mean. Padding rows
+def _reference_neighbours(pos, box, k, query=None):
+    """cKDTree's k nearest other particles (or those of query points): (dist, idx)."""
+    tree = cKDTree(_wrap64(pos, box), boxsize=box)
+    if query is None:
+        dist, idx = tree.query(_wrap64(pos, box), k=k + 1)
+        return dist[:, 1:], idx[:, 1:]
+    return tree.query(_wrap64(query, box), k=k)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 4)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one(shape):
+    """Reverse mode of sum(w * delta) with respect to per-particle masses (N = 510, padded
+    on 8 devices): the masses enter each density's sum and the mean. Rows not computed
     (NaN densities, zero cotangents) made every entry NaN. A traced scalar mass cancels
     (delta does not depend on it): a finite zero, not NaN, and no error from ``pmax``."""
     rng = np.random.default_rng(4)
@@ -526,20 +536,20 @@ def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one():
     pos = rng.uniform(0, box, (n, 3)).astype(np.float32)
     mass = rng.uniform(0.5, 2.0, n).astype(np.float32)
     weights = rng.normal(size=n).astype(np.float32)
-    mesh = make_mesh((2, 4))
+    mesh = make_mesh(shape)
     delta = lambda m: jh.knn_density(pos, box, k, mass=m, mesh=mesh, overdensity=True)
-    grad = np.asarray(jax.jit(jax.grad(lambda m: jnp.sum(weights * delta(m))))(mass))
-    _, idx = jh.knn(pos, box, k, mesh=mesh)
-    r_k = _reference(pos, box, k)[:, -1]
-    volume = 4 / 3 * np.pi * r_k ** 3
+    gradient = jax.jit(jax.grad(lambda m: jnp.sum(weights * delta(m))))
+    grad = np.asarray(gradient(mass))
+    r, nearest = _reference_neighbours(pos, box, k)
+    volume = 4 / 3 * np.pi * r[:, -1] ** 3
     mass = mass.astype(np.float64)
     mean = mass.sum() / box ** 3
-    nearest = np.asarray(idx)[:, :k - 1]  # the k - 1 masses of each density
+    nearest = nearest[:, :k - 1]  # the k - 1 masses of each density
     want = np.zeros(n)
     np.add.at(want, nearest.reshape(-1), np.repeat(weights / (volume * mean), k - 1))
     want -= np.sum(weights * mass[nearest].sum(1) / volume) / (mean ** 2 * box ** 3)
     np.testing.assert_allclose(grad, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
-    scalar = jax.jit(jax.grad(lambda m: jnp.sum(weights * delta(m))))(jnp.float32(1.3))
+    scalar = gradient(jnp.float32(1.3))
     scale = np.sum(np.abs(weights * np.asarray(delta(jnp.float32(1.3))))) / 1.3
     assert np.isfinite(scalar) and abs(float(scalar)) < 1e-5 * scale
 
@@ -556,8 +566,8 @@ def test_gradient_with_respect_to_query_points_is_the_analytic_one():
     mesh = make_mesh((2, 4))
     dist = lambda q: jh.knn(pos, box, k, mesh=mesh, query=q)[0]
     grad = np.asarray(jax.jit(jax.grad(lambda q: jnp.sum(weights * dist(q))))(query))
-    _, idx = jh.knn(pos, box, k, mesh=mesh, query=query)
-    offset = query[:, None, :].astype(np.float64) - pos[np.asarray(idx)]  # (61, k, 3)
+    _, idx = _reference_neighbours(pos, box, k, query=query)
+    offset = query[:, None, :].astype(np.float64) - pos[idx]  # (61, k, 3)
     offset -= box * np.round(offset / box)
     unit = offset / np.linalg.norm(offset, axis=-1, keepdims=True)
     want = np.sum(weights[..., None] * unit, axis=1)
