@@ -554,7 +554,8 @@ def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one(shape):
     assert np.isfinite(scalar) and abs(float(scalar)) < 1e-5 * scale
 
 
-def test_gradient_with_respect_to_query_points_is_the_analytic_one():
+@pytest.mark.parametrize("shape", [(1, 1), (2, 4)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_gradient_with_respect_to_query_points_is_the_analytic_one(shape):
     """d sum(w * dist) / d query: each distance moves with its query point along the unit
     offset from the neighbour (neighbours held fixed), wrapped across the box."""
     rng = np.random.default_rng(5)
@@ -563,7 +564,7 @@ def test_gradient_with_respect_to_query_points_is_the_analytic_one():
     query = rng.uniform(0, box, (61, 3)).astype(np.float32)
     query[0] = [0.01, 4.0, 7.99]  # neighbours across two faces
     weights = rng.uniform(0.5, 1.5, (61, k)).astype(np.float32)
-    mesh = make_mesh((2, 4))
+    mesh = make_mesh(shape)
     dist = lambda q: jh.knn(pos, box, k, mesh=mesh, query=q)[0]
     grad = np.asarray(jax.jit(jax.grad(lambda q: jnp.sum(weights * dist(q))))(query))
     _, idx = _reference_neighbours(pos, box, k, query=query)
