@@ -7,6 +7,7 @@ pair, so decisions such as "are these two particles friends" cannot depend on th
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -63,14 +64,47 @@ def periodic_delta(a, b, box_size):
     return jnp.where(d > half, -((box_size - a) + b), jnp.where(d < -half, a + (box_size - b), d))
 
 
+@jax.custom_jvp
+def _split_square(d):
+    """``d * d`` (...) as the sum of three products that are each exact, so that no
+    compiler can change the result by contracting a product and a sum into a fused
+    multiply-add (the rounding of an exact product is nothing to skip).
+
+    ``d = hi + lo``: ``hi`` keeps the upper half of the significand (rounded to nearest on
+    the bit pattern, so the lower half ``lo = d - hi`` is exact and at most half as wide),
+    which makes ``hi*hi``, ``hi*(lo+lo)`` and ``lo*lo`` fit a float32 (or float64)
+    significand. The sum ``(hi*hi + lo*lo) + hi*(lo+lo)`` rounds twice; ``hi*hi`` and
+    ``lo*lo`` share no factor, so no factoring rewrite applies either. Exact unless a
+    product underflows (``|d|`` below ~1e-19 in float32), where every form gives ~0.
+    """
+    info = jnp.finfo(d.dtype)
+    uint = jnp.dtype(f"uint{info.bits}").type
+    low = (info.nmant + 2) // 2  # bits dropped from hi: 12 of float32's 24, 27 of float64's 53
+    bits = lax.bitcast_convert_type(d, uint)
+    hi = lax.bitcast_convert_type((bits + uint(1 << (low - 1))) & ~uint((1 << low) - 1), d.dtype)
+    lo = d - hi
+    # inf and NaN would meet inf * 0 below; their square needs no care.
+    return jnp.where(jnp.isfinite(d), (hi * hi + lo * lo) + hi * (lo + lo), d * d)
+
+
+@_split_square.defjvp
+def _split_square_jvp(primals, tangents):
+    (d,), (t,) = primals, tangents
+    return _split_square(d), (d + d) * t
+
+
+def squared_norm(dx, dy, dz):
+    """``dx**2 + dy**2 + dz**2`` with bits that no compiler can change (:func:`_split_square`)."""
+    return _split_square(dx) + _split_square(dy) + _split_square(dz)
+
+
 def periodic_distance2(a, b, box_size):
     """Squared minimum-image distance between rows of ``a`` and ``b`` (..., 3) -> (...).
 
-    The sum of products can be contracted into fused multiply-adds, and XLA:CPU does so at
-    its default level. Bitwise identity between programs (meshes, in situ against offline)
-    therefore rests on XLA compiling this, and its column form
-    :func:`._knn_scan.distance2_columns`, alike in each of them (benchmarks/RESULTS.md,
-    2026-11-27, later).
+    Every program computes the same bits for a pair, whichever fusions and contractions
+    its compiler chooses (:func:`squared_norm`): kNN's, FoF's and SO's bitwise identity
+    across meshes and between in-situ and offline calls rests on this (benchmarks/RESULTS.md,
+    2026-12-04).
     """
     d = periodic_delta(a, b, box_size)
-    return d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1] + d[..., 2] * d[..., 2]
+    return squared_norm(d[..., 0], d[..., 1], d[..., 2])

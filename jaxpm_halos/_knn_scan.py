@@ -12,7 +12,7 @@ from jax import lax
 
 from . import _control as control
 from ._domain import selection
-from ._geometry import periodic_delta
+from ._geometry import periodic_delta, squared_norm
 from ._knn_frame import Index, SearchFrame, in_frame
 from ._knn_region import Queries, Region
 
@@ -22,8 +22,7 @@ int32 = jnp.int32
 def distance2_columns(ax, ay, az, bx, by, bz, box):
     """:func:`~._geometry.periodic_distance2` from separate coordinate arrays (broadcast),
     which keeps every operation vectorised along the candidates (same values bitwise)."""
-    dx, dy, dz = (periodic_delta(a, b, box) for a, b in ((ax, bx), (ay, by), (az, bz)))
-    return dx * dx + dy * dy + dz * dz
+    return squared_norm(*(periodic_delta(a, b, box) for a, b in ((ax, bx), (ay, by), (az, bz))))
 
 
 def _take_merged(run, cand, pick):
