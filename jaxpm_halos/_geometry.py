@@ -1,8 +1,9 @@
 """Periodic-box arithmetic shared by every algorithm.
 
 All pair distances in jaxpm_halos are computed by :func:`periodic_delta` from the canonical
-wrapped float32 coordinates. The result is bitwise the same whichever device evaluates the
-pair, so decisions such as "are these two particles friends" cannot depend on the mesh.
+wrapped coordinates and squared by :func:`squared_norm`. The result is bitwise the same
+whichever device or program evaluates the pair, so decisions such as "are these two
+particles friends" cannot depend on the mesh or on the compiler's choices.
 """
 
 from __future__ import annotations
