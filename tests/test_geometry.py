@@ -5,6 +5,12 @@ kNN's distances on a mesh then differed from one device's in the last bit). Cont
 cannot change a sum whose products are exact, so these tests check that each product is
 exact and that a compiled program gives numpy's (uncontracted) bits."""
 
+import subprocess
+import sys
+import textwrap
+from fractions import Fraction
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,18 +20,21 @@ from jaxpm_halos._geometry import _split_square, periodic_distance2
 
 
 def _split(d):
-    """numpy's hi, lo of ``_split_square`` (float32): hi rounded to 12 significant bits."""
-    bits = d.astype(np.float32).view(np.uint32)
-    hi = ((bits + np.uint32(1 << 11)) & ~np.uint32((1 << 12) - 1)).view(np.float32)
+    """numpy's hi, lo of ``_split_square``: hi rounded to the upper half of the significand
+    (12 of float32's 24 bits, 26 of float64's 53)."""
+    uint = {np.float32: np.uint32, np.float64: np.uint64}[d.dtype.type]
+    low = (np.finfo(d.dtype).nmant + 2) // 2
+    bits = d.view(uint)
+    hi = ((bits + uint(1 << (low - 1))) & ~uint((1 << low) - 1)).view(d.dtype)
     return hi, d - hi
 
 
-def _differences(n, seed=0):
-    """Float32 differences over 16 decades, signed, with zeros and exact powers of two."""
+def _differences(n, dtype=np.float32, seed=0):
+    """Differences over 16 decades, signed, with zeros and exact powers of two."""
     rng = np.random.default_rng(seed)
     d = rng.normal(size=n) * 10.0 ** rng.uniform(-8, 8, n)
     d[:8] = [0.0, -0.0, 1.0, -2.0, 2.0**-20, 3.0, 4095.0, 4097.0]
-    return d.astype(np.float32)
+    return d.astype(dtype)
 
 
 @pytest.mark.newest
@@ -36,6 +45,50 @@ def test_every_product_of_the_split_square_is_exact():
     h, l = hi.astype(np.float64), lo.astype(np.float64)
     for product, exact in ((hi * hi, h * h), (lo * lo, l * l), (hi * (lo + lo), 2 * h * l)):
         np.testing.assert_array_equal(product.astype(np.float64), exact)
+
+
+def test_every_product_of_the_float64_split_square_is_exact():
+    """Float64 has no wider type in numpy to check against: the products are compared with
+    exact rationals."""
+    d = _differences(3000, np.float64)
+    d[8:12] = [np.nextafter(1.0, 2.0), np.nextafter(1.0, 0.0), 2.0**27 + 1, -(2.0**53 - 1)]
+    hi, lo = _split(d)
+    assert np.array_equal(hi + lo, d)
+    for h, l in zip(hi.tolist(), lo.tolist()):
+        for got, exact in ((h * h, Fraction(h) ** 2), (l * l, Fraction(l) ** 2),
+                           (h * (l + l), 2 * Fraction(h) * Fraction(l))):
+            assert Fraction(got) == exact, (h, l)
+
+
+X64_CHILD = textwrap.dedent("""
+    import os
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import numpy as np
+    from test_geometry import _split
+    from jaxpm_halos._geometry import periodic_distance2
+
+    box = 100.0
+    rng = np.random.default_rng(2)
+    a = rng.uniform(0, box, (20_000, 3))
+    b = np.mod(a + rng.normal(0, 1, a.shape) * 10.0 ** rng.uniform(-12, 1.5, a.shape), box)
+    got = np.asarray(jax.jit(periodic_distance2, static_argnums=2)(a, b, box))
+    assert got.dtype == np.float64
+    d = a - b
+    d = np.where(d > box / 2, -((box - a) + b), np.where(d < -box / 2, a + (box - b), d))
+    squares = [(hi * hi + lo * lo) + hi * (lo + lo) for hi, lo in map(_split, d.T)]
+    np.testing.assert_array_equal(got, (squares[0] + squares[1]) + squares[2])
+    print("ok")
+""")
+
+
+def test_compiled_float64_squared_distances_equal_numpys_bits():
+    """With ``jax_enable_x64`` (a global flag, so in a child process), float64 squared
+    distances are numpy's split sum bit for bit too."""
+    out = subprocess.run([sys.executable, "-c", X64_CHILD], capture_output=True, text=True,
+                         cwd=Path(__file__).parent, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 @pytest.mark.newest
