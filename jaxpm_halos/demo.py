@@ -746,11 +746,11 @@ def _parse_buffers(values: Sequence[str]) -> dict:
 
 def _rerun_hint(failure, insitu) -> str:
     """What to pass the demo for a capacity ``failure`` of its in-situ run: ``--max-halos``
-    for the catalogue's rows, else ``--buffers`` with the whole grown config ('' when no
-    setting fits)."""
+    for the catalogue's rows, else ``--buffers`` with the whole grown config, beside those
+    of the other configs the run changed ('' when no setting fits)."""
     from ._config import MAX_HALOS
     from ._status import spell_config
-    from .extension import insitu_config
+    from .extension import changed_configs, insitu_config
 
     if failure.beyond_bound:
         return ""
@@ -758,7 +758,9 @@ def _rerun_hint(failure, insitu) -> str:
     if list(settings) == [MAX_HALOS]:
         return f" Here: rerun with --max-halos {settings[MAX_HALOS]}"
     attr, config = insitu_config(failure, insitu)
-    return f" Here: rerun with --buffers '{attr}={spell_config(failure.grown(config))}'"
+    # with the other configs this run changed, so that an earlier fix is not dropped
+    buffers = {**changed_configs(insitu), attr: f"{attr}={spell_config(failure.grown(config))}"}
+    return " Here: rerun with " + " ".join(f"--buffers '{b}'" for b in buffers.values())
 
 
 def main(argv=None) -> int:

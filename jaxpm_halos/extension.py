@@ -519,8 +519,10 @@ def check(outputs, insitu: "InSitu | None" = None) -> None:
     The error spells the setting as the ``InSitu`` argument holding the knob: the shared
     decomposition is sized by ``InSitu.domain``, FoF by ``InSitu.fof``, kNN by
     ``InSitu.knn``. Given the ``insitu`` that ran, the setting is that whole config with
-    the overflowing knobs changed (earlier fixes kept); without it, the default config
-    with those knobs. ``outputs`` may be the whole output or any part of it.
+    the overflowing knobs changed, next to the other configs it ran with that differ from
+    the defaults (so earlier fixes are kept whichever config they changed); without it,
+    the default config with those knobs. ``outputs`` may be the whole output or any part
+    of it.
     """
     failure = _first_failure(outputs)
     if failure is not None:
@@ -549,7 +551,13 @@ def _error(failure, insitu: "InSitu | None") -> Exception:
     if failure.limit is None:
         return failure.error()
     attr, config = insitu_config(failure, insitu)
-    return failure.error(config, f"InSitu({attr}={{}})")
+    # The other configs the run changed are spelled too: a user who replaces an earlier
+    # suggestion (say domain=...) with this one must not lose the earlier fix.
+    changed = {} if insitu is None else changed_configs(insitu)
+    parts = {a: text.replace("{", "{{").replace("}", "}}") for a, text in changed.items()}
+    parts[attr] = f"{attr}={{}}"  # the grown config goes here
+    spelled = ", ".join(parts[a] for a in _CONFIG_FIELD.values() if a in parts)
+    return failure.error(config, f"InSitu({spelled})")
 
 
 def insitu_config(failure, insitu: "InSitu | None") -> tuple[str, object]:
@@ -560,11 +568,17 @@ def insitu_config(failure, insitu: "InSitu | None") -> tuple[str, object]:
     return attr, getattr(insitu, attr) if insitu is not None else _CONFIG_CLASS[attr]()
 
 
+def changed_configs(insitu: InSitu) -> dict[str, str]:
+    """``{attr: "attr=Config(...)"}`` for each config of ``insitu`` that differs from its
+    default, in ``InSitu``'s order."""
+    return {attr: f"{attr}={spell_config(getattr(insitu, attr))}"
+            for attr in _CONFIG_FIELD.values()
+            if getattr(insitu, attr) != type(getattr(insitu, attr))()}
+
+
 def _spelling(insitu: InSitu) -> str:
     """The ``InSitu`` arguments of the configs that differ from the defaults."""
-    parts = [f"{attr}={spell_config(getattr(insitu, attr))}" for attr in _CONFIG_FIELD.values()
-             if getattr(insitu, attr) != type(getattr(insitu, attr))()]
-    return f"InSitu({', '.join(parts)})"
+    return f"InSitu({', '.join(changed_configs(insitu).values())})"
 
 
 def _state_layout(insitu: InSitu, y):

@@ -66,7 +66,7 @@ def test_a_capacity_errors_hint_pastes_into_the_demo():
     """The demo's hint for an overflow is a flag it takes, and reading it back gives the
     grown config with the run's other settings kept."""
     import jaxpm_halos as jh
-    from jaxpm_halos._config import CAPACITY, MAX_HALOS
+    from jaxpm_halos._config import CAPACITY, MAX_HALOS, REMOTE
     from jaxpm_halos._status import Failure, FailureKind, Limit
     from jaxpm_halos.demo import _rerun_hint
 
@@ -76,6 +76,11 @@ def test_a_capacity_errors_hint_pastes_into_the_demo():
     flag = hint.split("--buffers ")[1].strip("'")
     assert _parse_args(["--buffers", flag])[1].buffers == {
         "domain": jh.DomainConfig(capacity_factor=3.52, ghost_factor=0.4)}
+    # kNN's buffer after the domain's was grown: both flags, so the earlier fix stays.
+    remote = Failure(FailureKind.OVERFLOW, 900, "remote", Limit(REMOTE, 512, 256.0), 900)
+    flags = [f.strip().strip("'") for f in _rerun_hint(remote, insitu).split("--buffers ")[1:]]
+    assert _parse_args([a for f in flags for a in ("--buffers", f)])[1].buffers == {
+        "domain": jh.DomainConfig(ghost_factor=0.4), "knn": remote.grown(jh.KNNConfig())}
     rows = Failure(FailureKind.OVERFLOW, 4208, "halos", Limit(MAX_HALOS, 1024), 4208)
     assert _rerun_hint(rows, insitu) == " Here: rerun with --max-halos 4208"
     bounded = Failure(FailureKind.OVERFLOW, 900, "exchange", Limit(CAPACITY, 512, 256.0, most=2.0),

@@ -738,8 +738,9 @@ def test_check_with_the_insitu_spells_its_whole_config():
                     domain=jaxpm_halos.DomainConfig(image_factor=0.7))
     with pytest.raises(jaxpm_halos.CapacityError) as error:
         check({"domain": status}, insitu)
-    assert ("Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3, image_factor=0.7))."
-            in str(error.value))
+    # FoF's config, changed by the user (or an earlier suggestion), is kept beside it.
+    assert ("Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3, image_factor=0.7), "
+            "fof=FoFConfig(max_halos=50))." in str(error.value))
     with pytest.raises(jaxpm_halos.CapacityError) as error:  # without it: the knob alone
         check({"domain": status})
     assert "Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3))." in str(error.value)
@@ -819,6 +820,29 @@ def test_so_settings_are_checked_and_an_so_overflow_names_insitu_fof():
     message = str(_error(failure, insitu))
     assert "InSitu(fof=FoFConfig(max_halos=64, so=SOConfig(radius=8.0" in message
     assert str(_error(failure, None)).count("InSitu(fof=FoFConfig(so=SOConfig(radius=8.0") == 1
+
+
+def test_an_insitu_suggestion_keeps_the_fixes_of_the_other_configs():
+    """A suggestion for FoF's config, after the run's decomposition was grown, spells both:
+    pasted in place of the earlier suggestion it must not undo that fix (a probe went back
+    and forth between the two)."""
+    import re
+
+    from jaxpm_halos._layout import Pencils
+    from jaxpm_halos._so import radius_limit
+    from jaxpm_halos.extension import _error
+
+    limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))
+    failure = jaxpm_halos.Failure(jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows,
+                                  "so radius", limit, 2 * limit.rows)
+    domain = jaxpm_halos.DomainConfig(ghost_factor=0.46)
+    insitu = InSitu(box_size=32.0, omega_m=0.3, so=("vir",), domain=domain)
+    message = str(_error(failure, insitu))
+    spelled = re.search(r"Rerun with InSitu\((.*?)\)(?: or more|\.)", message).group(1)
+    pasted = eval(f"dict({spelled})", vars(jaxpm_halos))
+    assert pasted["domain"] == domain
+    assert pasted["fof"].so.radius == 8.0 and pasted["fof"] == failure.grown(InSitu(
+        box_size=32.0).fof)
 
 
 def _clumpy_state(mesh, nc=16, seed=1):
