@@ -29,6 +29,16 @@ def _split(d):
     return hi, d - hi
 
 
+def _split_distance2(a, b, box):
+    """numpy's minimum image of ``a - b`` (n, 3), in their dtype, and its squared norm as
+    ``periodic_distance2`` sums it (each axis's split square, summed left to right)."""
+    L = a.dtype.type(box)
+    d = a - b
+    d = np.where(d > L / 2, -((L - a) + b), np.where(d < -L / 2, a + (L - b), d))
+    squares = [(hi * hi + lo * lo) + hi * (lo + lo) for hi, lo in map(_split, d.T)]
+    return d, (squares[0] + squares[1]) + squares[2]
+
+
 def _differences(n, dtype=np.float32, seed=0):
     """Differences over 16 decades, signed, with zeros and exact powers of two."""
     rng = np.random.default_rng(seed)
@@ -66,7 +76,7 @@ X64_CHILD = textwrap.dedent("""
     import jax
     jax.config.update("jax_enable_x64", True)
     import numpy as np
-    from test_geometry import _split
+    from test_geometry import _split_distance2
     from jaxpm_halos._geometry import periodic_distance2
 
     box = 100.0
@@ -75,10 +85,7 @@ X64_CHILD = textwrap.dedent("""
     b = np.mod(a + rng.normal(0, 1, a.shape) * 10.0 ** rng.uniform(-12, 1.5, a.shape), box)
     got = np.asarray(jax.jit(periodic_distance2, static_argnums=2)(a, b, box))
     assert got.dtype == np.float64
-    d = a - b
-    d = np.where(d > box / 2, -((box - a) + b), np.where(d < -box / 2, a + (box - b), d))
-    squares = [(hi * hi + lo * lo) + hi * (lo + lo) for hi, lo in map(_split, d.T)]
-    np.testing.assert_array_equal(got, (squares[0] + squares[1]) + squares[2])
+    np.testing.assert_array_equal(got, _split_distance2(a, b, box)[1])
     print("ok")
 """)
 
@@ -102,11 +109,9 @@ def test_compiled_squared_distances_equal_numpys_bits_and_the_true_square():
                box).astype(np.float32)
     got = np.asarray(jax.jit(periodic_distance2, static_argnums=2)(a, b, box))
 
-    d = a - b
-    d = np.where(d > box / 2, -((np.float32(box) - a) + b),
-                 np.where(d < -box / 2, a + (np.float32(box) - b), d)).astype(np.float32)
-    squares = [(hi * hi + lo * lo) + hi * (lo + lo) for hi, lo in map(_split, d.T)]
-    np.testing.assert_array_equal(got, (squares[0] + squares[1]) + squares[2])
+    d, want = _split_distance2(a, b, box)
+    assert want.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
     exact = np.sum(d.astype(np.float64) ** 2, axis=1)
     assert np.max(np.abs(got - exact) / exact) < 2.5e-7
 
