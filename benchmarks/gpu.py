@@ -177,6 +177,27 @@ def bench(nc, kind, y, rows, check_scipy, profile_dir, with_knn=True):
     print(json.dumps(row), flush=True)
 
 
+# (group_size, batch_size, chunk_size) of KNNConfig tried by --knn-sweep; None = default.
+SWEEP = ((None, 16, 256), (256, 16, 256), (4096, 16, 256), (1024, 8, 256), (1024, 32, 256),
+         (1024, 16, 128), (1024, 16, 512))
+
+
+def knn_sweep(nc, y, rows):
+    """kNN density k = 16 on the JaxPM snapshot with other GPU settings (``SWEEP``): warm
+    time of each, and whether its densities are bitwise those of the default settings."""
+    parts = jh.from_jaxpm(y[0], None, float(nc))
+    reference = None
+    for group, batch, chunk in SWEEP:
+        config = jh.KNNConfig(group_size=group, batch_size=batch, chunk_size=chunk)
+        first, warm, rho = timed(lambda: jh.knn_density(parts, k=K, config=config))
+        rho = np.asarray(rho)
+        reference = rho if reference is None else reference
+        rows.append(dict(size=nc, kind="knn sweep", group_size=group, batch_size=batch,
+                         chunk_size=chunk, knn_first=first, knn=warm,
+                         same_as_default=bool(np.array_equal(rho, reference))))
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def pm_and_insitu(nc, y, rows):
     import jax_cosmo as jc
     from jaxpm.pm import make_diffrax_ode
@@ -238,7 +259,7 @@ def table(rows):
              "| kNN jz-tree (s) | ratio | jaxpm_halos FoF / kNN (Mpart/s) | jz-tree FoF / kNN "
              "(Mpart/s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "knn" not in r:
+        if r["kind"] not in ("jaxpm", "uniform") or "knn" not in r:
             continue
         m = r["n"] / 1e6
         lines.append(f"| {r['size']}^3 | {r['kind']} | {r['fof']:.4f} | {r['jz_fof']:.4f} | "
@@ -256,6 +277,8 @@ def main(argv=None):
     parser.add_argument("--profile", default=None, help="folder for the profile traces")
     parser.add_argument("--fof-only", action="store_true",
                         help="FoF on the JaxPM snapshots only (for sizes whose kNN check is long)")
+    parser.add_argument("--knn-sweep", type=int, default=None, metavar="NC",
+                        help="also time kNN density with the settings of SWEEP at this size")
     parser.add_argument("--out", default=str(HERE / "gpu_results.json"))
     args = parser.parse_args(argv)
     print(jax.devices(), jax.__version__, flush=True)
@@ -269,6 +292,8 @@ def main(argv=None):
             Path(args.out).write_text(json.dumps(rows, indent=1))
         if not args.fof_only:
             pm_and_insitu(nc, y, rows)
+        if nc == args.knn_sweep:
+            knn_sweep(nc, y, rows)
         Path(args.out).write_text(json.dumps(rows, indent=1))
         del y
     print(table(rows))
