@@ -15,11 +15,11 @@ of several runs of:
   neighbour (jz-tree counts the particle itself, so it is asked for k + 1);
 * one PM step (a JaxPM force evaluation) and in-situ FoF + kNN density (k = 16), as a ratio.
 
-Correctness: jaxpm_halos' labels must equal scipy's (``cKDTree.query_pairs`` +
-``connected_components``, run on the host) and its densities cKDTree's, or the benchmark
-stops. jz-tree's labels and radii are compared with the same references and any
-disagreement is reported (beyond ``--scipy-up-to``, jz-tree's labels are compared with
-ours). jz-tree is rerun with twice its node buffer when it reports an overflow.
+Correctness: jaxpm_halos' labels are compared with scipy's (``cKDTree.query_pairs`` +
+``connected_components``, run on the host) and its densities with cKDTree's, and the
+particles whose label differs and the largest relative density difference are recorded
+(``fof_wrong_particles``, ``knn_max_rel_err``). jz-tree's labels and radii are compared
+with the same references (beyond ``--scipy-up-to``, jz-tree's labels with ours). jz-tree is rerun with twice its node buffer when it reports an overflow.
 ``--profile DIR`` records the largest size's warm FoF and kNN runs with ``jax.profiler``
 and lists the GPU kernels that dominate them, with the XLA instruction each runs.
 """
@@ -142,8 +142,7 @@ def bench(nc, kind, y, rows, check_scipy, profile_dir, with_knn=True):
     if check_scipy:
         t, ref = min_time(lambda: canonical(scipy_fof(pos, box, l)), repeats=1)
         row["scipy_fof"] = t
-        if not np.array_equal(labels, ref):
-            raise AssertionError(f"jaxpm_halos FoF labels differ from scipy at {nc}^3 {kind}")
+        row["fof_wrong_particles"] = int(np.sum(labels != ref))
         row["jz_fof_wrong_particles"] = int(np.sum(jz_labels != ref))
     else:
         # Two independent codes: any difference would be reported, and is not expected.
@@ -163,8 +162,7 @@ def bench(nc, kind, y, rows, check_scipy, profile_dir, with_knn=True):
     r_ref = cKDTree(pos, boxsize=box).query(pos, k=K + 1, workers=-1)[0][:, K]
     row["ckdtree_knn"] = time.perf_counter() - t
     rho_ref = (K - 1) / (4 / 3 * np.pi * r_ref ** 3)
-    if not np.allclose(rho, rho_ref, rtol=2e-5):
-        raise AssertionError(f"jaxpm_halos kNN density differs from cKDTree at {nc}^3 {kind}")
+    row["knn_max_rel_err"] = float(np.max(np.abs(rho / rho_ref - 1)))
     row["jz_knn_max_rel_err"] = float(np.max(np.abs(jz_r / r_ref - 1)))
 
     if profile_dir is not None:

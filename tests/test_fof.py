@@ -451,6 +451,31 @@ def test_labels_match_scipy_at_tiny_linking_length(shape, case):
     np.testing.assert_array_equal(got["count"], expected["count"])
 
 
+# Two pairs of a 256^3 JaxPM z = 0 snapshot (box 256 Mpc/h, l = 0.2 Mpc/h), found on a GPU
+# run whose labels differed from scipy's for one particle of 16.7M (benchmarks/RESULTS.md,
+# 2026-12-04): in float64 they lie 1.8e-8 and 1.9e-8 (relative) beyond l, and their float32
+# squared distance rounds to float32(l^2).
+KNIFE_EDGE_PAIRS = np.array([[101.22163391113281, 65.6764907836914, 172.69638061523438],
+                             [101.14173889160156, 65.52056121826172, 172.79283142089844],
+                             [156.8112335205078, 116.94847869873047, 229.57008361816406],
+                             [156.73838806152344, 117.01930236816406, 229.7423553466797]],
+                            np.float32)
+
+
+def test_pairs_within_float32_rounding_of_the_linking_length_link_as_the_readme_says():
+    """README, Friends: a pair links when its float32 squared distance is <= float32(l^2).
+    Within float32's rounding of l this can differ from scipy's float64 decision; these
+    two pairs link on a mesh although scipy leaves them apart."""
+    box, link = 256.0, 0.2
+    pairs = KNIFE_EDGE_PAIRS.astype(np.float64).reshape(2, 2, 3)
+    d64 = np.sqrt(((pairs[:, 0] - pairs[:, 1]) ** 2).sum(-1))
+    assert np.all((d64 > link) & (d64 < link * (1 + 3e-8)))
+    np.testing.assert_array_equal(ref.fof_labels(KNIFE_EDGE_PAIRS, box, link), [0, 1, 2, 3])
+    labels, cat = jh.fof(KNIFE_EDGE_PAIRS, box, link, min_members=2, mesh=make_mesh((2, 4)))
+    np.testing.assert_array_equal(np.asarray(labels), [0, 0, 2, 2])
+    np.testing.assert_array_equal(cat.to_numpy()["count"], [2, 2])
+
+
 @pytest.mark.parametrize("pos", [np.zeros((10, 2), np.float32),
                                  np.zeros((4, 4, 3, 3), np.float32)])
 def test_bad_shapes_raise(pos):
