@@ -7,7 +7,8 @@ Per device (inside ``shard_map``):
 2. periodic images along z are appended, and the rows are sorted into cells of side >= l
    (:mod:`._cells`);
 3. candidate pairs over each cell and its forward neighbours are tested in fixed-size
-   chunks, and linked pairs are merged at once into a union-find forest (hook the larger
+   chunks (by float32 squared distance; the few within its rounding of ``l`` exactly, as
+   scipy's float64 decides them: :func:`near_links`), and linked pairs are merged at once into a union-find forest (hook the larger
    root under the smaller, then pointer-jump);
 4. groups that cross pencils are merged: each local component takes the smallest id among
    its rows, owners take the minimum over their ghost copies, ghosts receive it back, and
@@ -21,6 +22,7 @@ canonical wrapped coordinates, so the groups are those of a serial FoF on every 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -34,7 +36,7 @@ from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_
 from ._config import IMAGES, MAX_HALOS, FoFConfig
 from ._domain import Decomposition, Extended, Ghosts, pmax_all, psum_all, selection
 from ._frontend import particle_fields, particles_of
-from ._geometry import periodic_distance2
+from ._geometry import exactly_within, periodic_distance2, squared_length_limits
 from ._layout import Pencils
 from ._particles import Particles, _check_integer
 from ._pipeline import Plan, Step, analyse
@@ -103,7 +105,7 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
     image_src = jnp.take(rank, source, mode="fill", fill_value=0)
     parent = union(jnp.arange(rows, dtype=int32), image_of, image_src, valid[n_ext:])
 
-    limit = jnp.asarray(l * l, ext.pos.dtype)
+    certain, upper = squared_length_limits(l * l, ext.pos.dtype)
     # Links are appended to a buffer and merged into the forest only when the buffer is
     # full: each union pass costs O(rows), and there are about links / chunk of them.
     chunk = max(chunk or 0, rows // 2)
@@ -116,7 +118,12 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
 
     def link_chunk(state, i, j, live):
         parent, u, v, count = state
-        link = live & (periodic_distance2(sorted_pos[i], sorted_pos[j], box) <= limit)
+        a, b = sorted_pos[i], sorted_pos[j]
+        d2 = periodic_distance2(a, b, box)
+        link = live & (d2 <= certain)
+        if upper is not certain:  # float32: pairs within its rounding of l are decided
+            near = live & (d2 > certain) & (d2 <= upper)  # exactly, as scipy does in float64
+            link = link | near_links(near, a, b, box, l * l)
         slot = jnp.where(link, count + jnp.cumsum(link, dtype=int32) - 1, buffer)
         u, v = u.at[slot].set(i, mode="drop"), v.at[slot].set(j, mode="drop")
         state = parent, u, v, count + jnp.sum(link, dtype=int32)
@@ -130,6 +137,24 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
                                 (parent, empty, empty, jnp.int32(0)))
     parent = flush(state)[0]
     return parent[rank[:n_ext]], rows, need_images
+
+
+def near_links(near, a, b, box: float, squared_length: float, block: int = 64):
+    """(P,) which of the pairs flagged ``near`` (P,) of rows ``a``, ``b`` (P, 3) are within
+    ``squared_length`` exactly (:func:`~._geometry.exactly_within`), ``block`` at a time:
+    they are few, so the exact test runs on them alone (no pass at all where none is)."""
+    P = near.shape[0]
+
+    def decide(state):
+        todo, links = state
+        (pick,) = jnp.nonzero(todo, size=block, fill_value=P)  # (block,)
+        take = functools.partial(jnp.take, axis=0, mode="fill", fill_value=0)
+        within = exactly_within(take(a, pick), take(b, pick), box, squared_length)
+        return (todo.at[pick].set(False, mode="drop"),
+                links.at[pick].set(within, mode="drop"))
+
+    return control.while_loop(lambda state: jnp.any(state[0]), decide,
+                              (near, jnp.zeros_like(near)))[1]
 
 
 def merge_labels(ext: Extended, ghosts: Ghosts, pencils: Pencils, component, segments: int):

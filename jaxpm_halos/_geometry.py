@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from . import _control as control
 
 
 def _to_zero(x):
@@ -78,14 +81,21 @@ def _split_square(d):
     ``lo*lo`` share no factor, so no factoring rewrite applies either. Exact unless a
     product underflows (``|d|`` below ~1e-19 in float32), where every form gives ~0.
     """
+    hi, lo = _halves(d)
+    # inf and NaN would meet inf * 0 below; their square needs no care.
+    return jnp.where(jnp.isfinite(d), (hi * hi + lo * lo) + hi * (lo + lo), d * d)
+
+
+def _halves(d):
+    """``(hi, lo)`` with ``d = hi + lo`` exactly: ``hi`` the upper half of the significand
+    (rounded to nearest on the bit pattern), ``lo`` the rest, at most half as wide, so the
+    product of any two halves is exact."""
     info = jnp.finfo(d.dtype)
     uint = jnp.dtype(f"uint{info.bits}").type
     low = (info.nmant + 2) // 2  # bits dropped from hi: 12 of float32's 24, 27 of float64's 53
     bits = lax.bitcast_convert_type(d, uint)
     hi = lax.bitcast_convert_type((bits + uint(1 << (low - 1))) & ~uint((1 << low) - 1), d.dtype)
-    lo = d - hi
-    # inf and NaN would meet inf * 0 below; their square needs no care.
-    return jnp.where(jnp.isfinite(d), (hi * hi + lo * lo) + hi * (lo + lo), d * d)
+    return hi, d - hi
 
 
 @_split_square.defjvp
@@ -109,3 +119,92 @@ def periodic_distance2(a, b, box_size):
     """
     d = periodic_delta(a, b, box_size)
     return squared_norm(d[..., 0], d[..., 1], d[..., 2])
+
+
+# ----------------------------------------------------------------------------------------
+# Exact comparison with a squared length (FoF's friends test near the linking length)
+
+_ROUNDING = 2.0 ** -24  # float32's unit roundoff
+_BAND = 32 * _ROUNDING  # relative: periodic_distance2 is within 7 roundings of exact
+_DISTIL_PASSES = 12  # cap; two or three passes settle a sign in practice
+
+
+def squared_length_limits(squared_length: float, dtype):
+    """``(certain, upper)`` in ``dtype`` for the test ``d2 <= squared_length`` (float64):
+    a float32 :func:`periodic_distance2` at most ``certain`` is within for sure, one above
+    ``upper`` beyond for sure, and one between is within float32's rounding of the limit
+    and needs :func:`exactly_within`. For float64 positions both are the limit itself."""
+    if jnp.dtype(dtype) != jnp.float32:
+        limit = jnp.asarray(squared_length, dtype)
+        return limit, limit  # the same object: no exact test to make
+    return (jnp.float32(squared_length * (1 - _BAND)), jnp.float32(squared_length * (1 + _BAND)))
+
+
+def _two_sum(a, b):
+    """``(s, e)`` with ``s = fl(a + b)`` and ``s + e = a + b`` exactly (Knuth's TwoSum:
+    adds only, so no contraction applies, and XLA does not reassociate floats)."""
+    s = a + b
+    b_part = s - a
+    a_part = s - b_part
+    return s, (a - a_part) + (b - b_part)
+
+
+def _exact_delta(a, b, box_size):
+    """:func:`periodic_delta` unrounded: ``(s, e)`` (...), ``s + e`` the exact minimum-image
+    difference. The same branches; the sum each forms is split by :func:`_two_sum` (``L - a``
+    and ``L - b`` are exact there, by Sterbenz)."""
+    half = 0.5 * box_size
+    d = a - b
+    up, down = d > half, d < -half  # -((L - a) + b), a + (L - b)
+    s, e = _two_sum(jnp.where(up, box_size - a, a),
+                    jnp.where(up, b, jnp.where(down, box_size - b, -b)))
+    return jnp.where(up, -s, s), jnp.where(up, -e, e)
+
+
+def _square_terms(s, e):
+    """Ten exact products (..., 10) whose exact sum is ``(s + e)**2``: every factor is a
+    half of :func:`_halves` (doubling is exact)."""
+    sh, sl = _halves(s)
+    eh, el = _halves(e)
+    return jnp.stack([sh * sh, (sh + sh) * sl, sl * sl, (sh + sh) * eh, (sh + sh) * el,
+                      (sl + sl) * eh, (sl + sl) * el, eh * eh, (eh + eh) * el, el * el], -1)
+
+
+def _sum_is_at_most_zero(terms):
+    """(M,) whether the exact sum of the float32 ``terms`` (M, n) is <= 0.
+
+    Distillation: each pass replaces the terms by the rounding errors of their running sum
+    and that sum last (Rump, Ogita and Oishi's VecSum), which keeps the exact sum. Once the
+    rounded sum outweighs every other term together, with room for the rounding of that
+    bound, its sign is the exact sum's (or the others are all zero and it is the sum)."""
+    n = terms.shape[-1]
+    t = jnp.moveaxis(terms, -1, 0)  # (n, M)
+
+    def settled(t):
+        rest = jnp.sum(jnp.abs(t[:-1]), axis=0)  # (M,)
+        return (jnp.abs(t[-1]) > rest * (1 + 4 * n * _ROUNDING)) | (rest == 0)
+
+    def distil(state):
+        t, passes = state
+        last, errors = lax.scan(lambda s, x: _two_sum(s, x), t[0], t[1:])  # (M,), (n-1, M)
+        return jnp.concatenate([errors, last[None]]), passes + 1
+
+    t, _ = control.while_loop(
+        lambda state: jnp.any(~settled(state[0])) & (state[1] < _DISTIL_PASSES),
+        distil, (t, jnp.int32(0)))
+    return t[-1] <= 0
+
+
+def exactly_within(a, b, box_size, squared_length: float):
+    """(M,) whether the exact squared minimum-image distance of the float32 rows ``a``,
+    ``b`` (M, 3) is <= ``squared_length`` (a float64 number), as scipy's ``cKDTree`` (float64
+    coordinate differences, exact for float32 positions) decides it. Exact unless a
+    product underflows (a coordinate difference below ~1e-19)."""
+    c = float(squared_length)
+    c1 = np.float32(c)
+    c2 = np.float32(c - float(c1))
+    c3 = np.float32(c - float(c1) - float(c2))  # c1 + c2 + c3 = c exactly
+    s, e = _exact_delta(a, b, jnp.float32(box_size))  # (M, 3) each
+    terms = _square_terms(s, e).reshape(s.shape[0], 30)
+    limit = jnp.broadcast_to(-jnp.asarray([c1, c2, c3]), (s.shape[0], 3))
+    return _sum_is_at_most_zero(jnp.concatenate([terms, limit], -1))

@@ -123,3 +123,46 @@ def test_the_square_passes_inf_and_nan_and_has_the_derivative_2d():
     np.testing.assert_array_equal(out[3:], np.float32([0.0, 3.0, 1e-3]) ** 2)
     grad = jax.grad(lambda x: _split_square(x).sum())(d[3:])
     np.testing.assert_array_equal(np.asarray(grad), 2 * np.asarray(d[3:]))
+
+
+def _exactly_within_reference(a, b, box, squared_length):
+    """Exact rationals: the minimum-image squared distance of float32 rows <= the float64
+    ``squared_length``."""
+    half, L, limit = Fraction(box) / 2, Fraction(box), Fraction(squared_length)
+    out = []
+    for p, q in zip(a, b):
+        total = Fraction(0)
+        for x, y in zip(p.tolist(), q.tolist()):
+            d = Fraction(x) - Fraction(y)
+            d = d - L if d > half else d + L if d < -half else d
+            total += d * d
+        out.append(total <= limit)
+    return np.asarray(out)
+
+
+def test_exactly_within_decides_as_exact_rationals():
+    """FoF's test for pairs within float32's rounding of the linking length: pairs drawn
+    within 3e-7 of l (near 0, near L and across the box's faces), pairs at exactly l (a
+    3-4-5 triangle, across a face too), duplicates. float32 alone gets some wrong."""
+    from jaxpm_halos._geometry import exactly_within
+
+    rng = np.random.default_rng(7)
+    box, link = 256.0, 0.2
+    a = rng.uniform(0, box, (3000, 3))
+    a[:600] = rng.uniform(0, 0.3, (600, 3))
+    a[600:1200] = rng.uniform(box - 0.3, box, (600, 3))
+    direction = rng.normal(size=a.shape)
+    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+    b = a + direction * link * (1 + rng.uniform(-3e-7, 3e-7, (len(a), 1)))
+    a, b = (np.mod(x, box).astype(np.float32) for x in (a, b))
+    b[b >= box] = 0
+    b[:20] = a[:20]
+    a, b = np.concatenate([a, [[0.25, 0.5, 0.0], [255.875, 3.0, 7.0]]]).astype(np.float32), \
+        np.concatenate([b, [[0.4375, 0.75, 0.0], [0.0625, 3.25, 7.0]]]).astype(np.float32)
+    for squared_length in (link * link, 0.3125 ** 2):
+        want = _exactly_within_reference(a, b, box, squared_length)
+        got = np.asarray(jax.jit(lambda a, b: exactly_within(a, b, box, squared_length))(a, b))
+        np.testing.assert_array_equal(got, want)
+    assert want[-2:].all()  # at exactly 0.3125: within (<=)
+    float32 = np.asarray(periodic_distance2(a, b, box)) <= np.float32(link * link)
+    assert np.sum(float32 != _exactly_within_reference(a, b, box, link * link)) >= 3
