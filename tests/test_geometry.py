@@ -140,6 +140,7 @@ def _exactly_within_reference(a, b, box, squared_length):
     return np.asarray(out)
 
 
+@pytest.mark.newest
 def test_exactly_within_decides_as_exact_rationals():
     """FoF's test for pairs within float32's rounding of the linking length: pairs drawn
     within 3e-7 of l (near 0, near L and across the box's faces), pairs at exactly l (a
