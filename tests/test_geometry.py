@@ -158,8 +158,9 @@ def test_exactly_within_decides_as_exact_rationals():
     a, b = (np.mod(x, box).astype(np.float32) for x in (a, b))
     b[b >= box] = 0
     b[:20] = a[:20]
-    a, b = np.concatenate([a, [[0.25, 0.5, 0.0], [255.875, 3.0, 7.0]]]).astype(np.float32), \
-        np.concatenate([b, [[0.4375, 0.75, 0.0], [0.0625, 3.25, 7.0]]]).astype(np.float32)
+    # Differences (0.1875, 0.25, 0), the second across x = L: 0.3125 apart exactly.
+    a = np.concatenate([a, np.float32([[0.25, 0.5, 0.0], [255.875, 3.0, 7.0]])])
+    b = np.concatenate([b, np.float32([[0.4375, 0.75, 0.0], [0.0625, 3.25, 7.0]])])
     for squared_length in (link * link, 0.3125 ** 2):
         want = _exactly_within_reference(a, b, box, squared_length)
         got = np.asarray(jax.jit(lambda a, b: exactly_within(a, b, box, squared_length))(a, b))
