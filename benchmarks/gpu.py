@@ -19,7 +19,8 @@ Correctness: jaxpm_halos' labels are compared with scipy's (``cKDTree.query_pair
 ``connected_components``, run on the host) and its densities with cKDTree's, and the
 particles whose label differs and the largest relative density difference are recorded
 (``fof_wrong_particles``, ``knn_max_rel_err``). jz-tree's labels and radii are compared
-with the same references (beyond ``--scipy-up-to``, jz-tree's labels with ours). jz-tree is rerun with twice its node buffer when it reports an overflow.
+with the same references (beyond ``--scipy-up-to``, jz-tree's labels with ours). jz-tree
+is rerun with twice its node buffer when it reports an overflow.
 ``--profile DIR`` records the largest size's warm FoF and kNN runs with ``jax.profiler``
 and lists the GPU kernels that dominate them, with the XLA instruction each runs.
 """

@@ -8,8 +8,8 @@ Per device (inside ``shard_map``):
    (:mod:`._cells`);
 3. candidate pairs over each cell and its forward neighbours are tested in fixed-size
    chunks (by float32 squared distance; the few within its rounding of ``l`` exactly, as
-   scipy's float64 decides them: :func:`near_links`), and linked pairs are merged at once into a union-find forest (hook the larger
-   root under the smaller, then pointer-jump);
+   scipy's float64 decides them: :func:`near_links`), and linked pairs are merged at once
+   into a union-find forest (hook the larger root under the smaller, then pointer-jump);
 4. groups that cross pencils are merged: each local component takes the smallest id among
    its rows, owners take the minimum over their ghost copies, ghosts receive it back, and
    this repeats until a ``psum`` says no label changed.
@@ -106,6 +106,7 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
     parent = union(jnp.arange(rows, dtype=int32), image_of, image_src, valid[n_ext:])
 
     certain, upper = squared_length_limits(l * l, ext.pos.dtype)
+    exact_near = ext.pos.dtype == jnp.float32  # float64 positions keep the plain test
     # Links are appended to a buffer and merged into the forest only when the buffer is
     # full: each union pass costs O(rows), and there are about links / chunk of them.
     chunk = max(chunk or 0, rows // 2)
@@ -121,8 +122,8 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
         a, b = sorted_pos[i], sorted_pos[j]
         d2 = periodic_distance2(a, b, box)
         link = live & (d2 <= certain)
-        if upper is not certain:  # float32: pairs within its rounding of l are decided
-            near = live & (d2 > certain) & (d2 <= upper)  # exactly, as scipy does in float64
+        if exact_near:  # pairs within float32's rounding of l, decided as scipy's float64
+            near = live & (d2 > certain) & (d2 <= upper)
             link = link | near_links(near, a, b, box, l * l)
         slot = jnp.where(link, count + jnp.cumsum(link, dtype=int32) - 1, buffer)
         u, v = u.at[slot].set(i, mode="drop"), v.at[slot].set(j, mode="drop")

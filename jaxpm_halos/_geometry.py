@@ -136,7 +136,7 @@ def squared_length_limits(squared_length: float, dtype):
     and needs :func:`exactly_within`. For float64 positions both are the limit itself."""
     if jnp.dtype(dtype) != jnp.float32:
         limit = jnp.asarray(squared_length, dtype)
-        return limit, limit  # the same object: no exact test to make
+        return limit, limit
     return (jnp.float32(squared_length * (1 - _BAND)), jnp.float32(squared_length * (1 + _BAND)))
 
 
