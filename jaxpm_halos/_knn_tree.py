@@ -107,35 +107,43 @@ def _separated(dist, first: int, last: int, slack: float, slack_rel: float):
     return np.all(hi - lo > 2 * (slack + slack_rel * hi), axis=1)
 
 
-def _drop_self(dist, rows, own):
+def _drop_self(dist, pick, own):
     """Fetched rows (m, F) without the query's own row ``own`` (m,): (m, F - 1), and
     whether it was among all but the last (else the list is not known)."""
-    first = rows[:, 0] == own  # nearly always: the query itself, at distance 0
-    out_dist, out_rows = dist[:, 1:].copy(), rows[:, 1:].copy()
-    ok = first.copy()
-    other = np.flatnonzero(~first)
-    if other.size:  # a duplicate at distance 0 came first: drop self wherever it is
-        is_self = rows[other] == own[other, None]
-        ok[other] = is_self[:, :-1].any(axis=1)
-        order = np.argsort(is_self, axis=1, kind="stable")  # self to the end
-        out_dist[other] = np.take_along_axis(dist[other], order, axis=1)[:, :-1]
-        out_rows[other] = np.take_along_axis(rows[other], order, axis=1)[:, :-1]
-    return out_dist, out_rows, ok
+    is_self = pick == own[:, None]
+    ok = is_self[:, :-1].any(axis=1)
+    order = np.argsort(is_self, axis=1, kind="stable")  # self to the end
+    return (np.take_along_axis(dist, order, axis=1)[:, :-1],
+            np.take_along_axis(pick, order, axis=1)[:, :-1], ok)
 
 
-def _certify(dist, rows, own, *, k: int, kept: int, half: float, slack: float,
-             slack_rel: float):
-    """From each query's fetched rows (m, F) by float64 distance (own row ``own`` (m,) to
-    drop, or None), the rows of its list (m, kept), the k-th distance (m,) and whether the
-    float32 (distance, id) order is certain to pick the same list (m,)."""
-    ok = np.ones(dist.shape[0], bool)
-    if own is not None:
-        dist, rows, ok = _drop_self(dist, rows, own)
-    # (m, k + 1): the k nearest others and the next one, which must lie within half a box.
-    ok &= dist[:, k] < half
+def _list_of(dist, pick, *, k: int, kept: int, half: float, slack: float, slack_rel: float):
+    """From each query's fetched rows (m, >= k + 1) by float64 distance, self excluded:
+    the columns of its list (m, kept) (views of ``pick``), the k-th distance (m,) and
+    whether the float32 (distance, id) order is certain to pick the same list (m,)."""
+    # The next row after the k nearest must lie within half a box.
+    ok = dist[:, k] < half
     # The list's boundary, and the order of what is kept (the k-th alone, or all k).
     ok &= _separated(dist, 0 if kept == k else k - 2, k, slack, slack_rel)
-    return rows[:, k - kept:k], dist[:, k - 1], ok
+    return pick[:, k - kept:k], dist[:, k - 1], ok
+
+
+def _certify(dist, pick, own, **settings):
+    """:func:`_list_of` each query's fetched rows (m, F) (tree positions ``pick``), after
+    dropping its own row ``own`` (m,) (None: point queries, which have none)."""
+    if own is None:
+        return _list_of(dist, pick, **settings)
+    # Nearly always the query itself comes first, at distance 0: views, no copies.
+    lists, kth, ok = _list_of(dist[:, 1:], pick[:, 1:], **settings)
+    first = pick[:, 0] == own
+    ok &= first
+    other = np.flatnonzero(~first)
+    if other.size:  # a duplicate at distance 0 came first: drop self wherever it is
+        lists, kth = lists.copy(), kth.copy()
+        dist, pick, found = _drop_self(dist[other], pick[other], own[other])
+        lists[other], kth[other], ok[other] = _list_of(dist, pick, **settings)
+        ok[other] &= found
+    return lists, kth, ok
 
 
 def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k: int,
@@ -148,7 +156,7 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
     from scipy.spatial import cKDTree
 
     valid = np.asarray(valid)
-    rows = np.flatnonzero(valid).astype(np.int32)  # (valid rows,)
+    rows = np.flatnonzero(valid).astype(np.int32)  # (T,) the tree's rows
     n, R = np.shape(qvalid)[0], valid.shape[0]
     out_rows = np.full((n, kept), R, np.int32)
     out_kth = np.full((n,), np.inf, np.float64)
@@ -157,19 +165,20 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
     fetch = k + 1 + self_mode  # the k nearest, the next one, and the query itself
     if rows.size < fetch or live.size == 0:
         return out_rows, out_kth.astype(dtype), out_ok
-    tree = cKDTree(_frame_positions(cx[rows], cy[rows], cz[rows], code[rows], box),
-                   balanced_tree=False)
-    if self_mode:  # the queries are index rows: their exact frame positions
-        at = np.minimum(np.asarray(qrow), R - 1)
-        points = _frame_positions(cx[at], cy[at], cz[at], code[at], box)
+    data = _frame_positions(cx[rows], cy[rows], cz[rows], code[rows], box)  # (T, 3)
+    tree = cKDTree(data, balanced_tree=False)
+    if self_mode:  # the queries are valid index rows: their tree positions, and places
+        own = (np.cumsum(valid, dtype=np.int32) - 1)[np.minimum(np.asarray(qrow), R - 1)]
+        points = data[own]
     else:
-        points = np.asarray(qpos, np.float64)
+        own, points = None, np.asarray(qpos, np.float64)
+    settings = dict(k=k, kept=kept, half=half, slack=slack, slack_rel=slack_rel)
     for lo in range(0, live.size, _QUERY_BLOCK):
         q = live[lo:lo + _QUERY_BLOCK]
         dist, pick = tree.query(points[q], k=fetch, workers=_WORKERS)
-        own = np.asarray(qrow)[q] if self_mode else None
-        out_rows[q], out_kth[q], out_ok[q] = _certify(
-            dist, rows[pick], own, k=k, kept=kept, half=half, slack=slack, slack_rel=slack_rel)
+        lists, out_kth[q], out_ok[q] = _certify(dist, pick, None if own is None else own[q],
+                                                **settings)
+        out_rows[q] = rows[lists]
     # Rounded up: an upper bound, for the coverage test and the cross-device radius.
     kth = out_kth.astype(dtype)
     kth = np.where(kth < out_kth, np.nextafter(kth, np.asarray(np.inf, dtype)), kth)
