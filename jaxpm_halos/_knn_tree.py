@@ -38,6 +38,10 @@ _QUERY_BLOCK = 16384  # queries per tree query on the host (bounds its float64 o
 # Threads per tree query: the devices' queries differ in size (3x at 64^3 on (2, 4)), so
 # without them the largest one would finish alone on one core.
 _WORKERS = -1
+# Rows per tree leaf: 24 in place of cKDTree's 16 takes 3-5% off the builds and queries of
+# k = 8, 16 and 32 (benchmarks/RESULTS.md); it cannot change a list (the float64 distances
+# are the same, and near ties are never certified).
+_LEAF_SIZE = 24
 
 
 def _host_primitive():
@@ -166,7 +170,7 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
     if rows.size < fetch or live.size == 0:
         return out_rows, out_kth.astype(dtype), out_ok
     data = _frame_positions(cx[rows], cy[rows], cz[rows], code[rows], box)  # (T, 3)
-    tree = cKDTree(data, balanced_tree=False)
+    tree = cKDTree(data, leafsize=_LEAF_SIZE, balanced_tree=False)
     if self_mode:  # the queries are valid index rows: their tree positions, and places
         own = (np.cumsum(valid, dtype=np.int32) - 1)[np.minimum(np.asarray(qrow), R - 1)]
         points = data[own]
