@@ -3,9 +3,10 @@
 XLA:CPU has no cheap per-query selection (``lax.top_k`` costs about a microsecond per row
 whatever its width, and its gathers ~7 ns per element), so the batched scan of
 :mod:`._knn_scan` does several times the work of a tree walk (benchmarks/RESULTS.md). On
-the CPU the device buffers are host memory, so each device hands its index to
-``scipy.spatial.cKDTree`` (the device programs run their calls side by side: the tree
-releases the GIL) and takes back, for each query, its list and whether it is certified.
+the CPU the device buffers are host memory, so each device hands its index to a k-d tree
+(``pykdtree``, else ``scipy.spatial.cKDTree``; both release the GIL, so the device
+programs run their calls side by side) and takes back, for each query, its list and
+whether it is certified.
 
 The tree ranks rows by float64 distance in the device's frame (exact for float32
 coordinates); the scan, and every mesh, rank them by (float32 squared distance from
@@ -35,13 +36,29 @@ from ._knn_local import SearchState, classify
 
 int32 = jnp.int32
 _QUERY_BLOCK = 16384  # queries per tree query on the host (bounds its float64 outputs)
-# Threads per tree query: the devices' queries differ in size (3x at 64^3 on (2, 4)), so
-# without them the largest one would finish alone on one core.
+# Threads per tree query (cKDTree's; pykdtree takes OpenMP's default, all cores): the
+# devices' queries differ in size (3x at 64^3 on (2, 4)), so without them the largest one
+# would finish alone on one core.
 _WORKERS = -1
-# Rows per tree leaf: 24 in place of cKDTree's 16 takes 3-5% off the builds and queries of
-# k = 8, 16 and 32 (benchmarks/RESULTS.md); it cannot change a list (the float64 distances
-# are the same, and near ties are never certified).
+# Rows per tree leaf: 24 in place of the libraries' 16 takes 3-5% off the builds and
+# queries of k = 8, 16 and 32 (benchmarks/RESULTS.md); it cannot change a list (the float64
+# distances are the same, and near ties are never certified).
 _LEAF_SIZE = 24
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+# The tree library: pykdtree's builds and queries take a third less CPU time than
+# cKDTree's (benchmarks/RESULTS.md), with the same float64 distances; None: neither.
+_BACKEND = next((name for name, module in (("pykdtree", "pykdtree.kdtree"),
+                                           ("scipy", "scipy.spatial"))
+                 if _importable(module)), None)
 
 
 def _host_primitive():
@@ -86,12 +103,9 @@ _HOST_CALL = _host_primitive()
 
 
 def available() -> bool:
-    """Whether the host tree can be used: scipy importable and the host call defined."""
-    try:
-        import scipy.spatial  # noqa: F401
-    except ImportError:
-        return False
-    return _HOST_CALL is not None
+    """Whether the host tree can be used: a tree library importable and the host call
+    defined."""
+    return _BACKEND is not None and _HOST_CALL is not None
 
 
 def _frame_positions(cx, cy, cz, code, box: float):
@@ -150,6 +164,20 @@ def _certify(dist, pick, own, **settings):
     return lists, kth, ok
 
 
+def _tree_query(data):
+    """A k-d tree over ``data`` (T, 3) float64: returns ``query(points, k)`` giving the
+    Euclidean distances (m, k) of each point's k nearest rows, ascending, and their rows."""
+    if _BACKEND == "pykdtree":
+        from pykdtree.kdtree import KDTree
+
+        tree = KDTree(data, leafsize=_LEAF_SIZE)
+        return lambda points, k: tree.query(points, k=k)
+    from scipy.spatial import cKDTree
+
+    tree = cKDTree(data, leafsize=_LEAF_SIZE, balanced_tree=False)
+    return lambda points, k: tree.query(points, k=k, workers=_WORKERS)
+
+
 def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k: int,
                   kept: int, self_mode: bool, half: float, slack: float, slack_rel: float,
                   dtype):
@@ -157,8 +185,6 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
     holds query points' frame positions, and is empty for self queries (placed from their
     rows ``qrow``). Returns rows (n, kept) (R where none), an upper bound of the k-th
     distance (n,) and the flag (n,)."""
-    from scipy.spatial import cKDTree
-
     valid = np.asarray(valid)
     rows = np.flatnonzero(valid).astype(np.int32)  # (T,) the tree's rows
     n, R = np.shape(qvalid)[0], valid.shape[0]
@@ -170,7 +196,7 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
     if rows.size < fetch or live.size == 0:
         return out_rows, out_kth.astype(dtype), out_ok
     data = _frame_positions(cx[rows], cy[rows], cz[rows], code[rows], box)  # (T, 3)
-    tree = cKDTree(data, leafsize=_LEAF_SIZE, balanced_tree=False)
+    query = _tree_query(data)
     if self_mode:  # the queries are valid index rows: their tree positions, and places
         own = (np.cumsum(valid, dtype=np.int32) - 1)[np.minimum(np.asarray(qrow), R - 1)]
         points = data[own]
@@ -179,7 +205,7 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
     settings = dict(k=k, kept=kept, half=half, slack=slack, slack_rel=slack_rel)
     for lo in range(0, live.size, _QUERY_BLOCK):
         q = live[lo:lo + _QUERY_BLOCK]
-        dist, pick = tree.query(points[q], k=fetch, workers=_WORKERS)
+        dist, pick = query(points[q], fetch)
         lists, out_kth[q], out_ok[q] = _certify(dist, pick, None if own is None else own[q],
                                                 **settings)
         out_rows[q] = rows[lists]

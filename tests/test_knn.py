@@ -195,6 +195,28 @@ def test_the_host_tree_and_the_scan_give_the_same_neighbours(clustered, unsharde
     np.testing.assert_array_equal(np.asarray(rho_tree), np.asarray(rho_scan))
 
 
+@pytest.mark.optimised  # bits against `unsharded`, compiled in that part
+@pytest.mark.parametrize("library", ["pykdtree", "scipy"])
+def test_either_tree_library_gives_the_same_bits(clustered, unsharded, monkeypatch, library):
+    """The host tree is pykdtree's where it is installed (leg 1), else cKDTree's (leg 2
+    installs scipy only): each, forced in turn, must certify most queries and give the same
+    bits as one device."""
+    import jaxpm_halos._knn_tree as tree
+
+    module, name = {"pykdtree": ("pykdtree.kdtree", "KDTree"),
+                    "scipy": ("scipy.spatial", "cKDTree")}[library]
+    lib = pytest.importorskip(module)
+    monkeypatch.setattr(tree, "_BACKEND", library)
+    built, build = [], getattr(lib, name)
+    monkeypatch.setattr(lib, name, lambda *a, **kw: built.append(a[0].shape) or build(*a, **kw))
+    seen = _certified_by_the_tree(monkeypatch)
+    result = jh.knn(_shard(make_mesh((2, 4)), clustered), BOX, 8)
+    assert len(built) == 8, built  # one tree per device, the library's
+    assert 0.9 < np.concatenate(seen).mean() < 1
+    _check_exact(clustered, BOX, 8, *result)
+    _assert_same(result, unsharded)
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monkeypatch, shape):
     """Under ``vmap`` the host tree's primitive is batched as a loop of its calls, one per
