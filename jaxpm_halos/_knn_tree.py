@@ -26,6 +26,7 @@ queries of a block.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -46,19 +47,24 @@ _WORKERS = -1
 _LEAF_SIZE = 24
 
 
-def _importable(module: str) -> bool:
+def _usable(module: str, oldest: tuple[int, ...] = ()) -> bool:
+    """Whether ``module`` imports, from a release of its distribution no older than
+    ``oldest`` (major, minor, patch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         __import__(module)
-    except ImportError:
+        release = version(module.split(".")[0])
+    except (ImportError, PackageNotFoundError):
         return False
-    return True
+    return tuple(int(n) for n in re.findall(r"\d+", release)[:3]) >= oldest
 
 
 # The tree library: pykdtree's builds and queries take a third less CPU time than
-# cKDTree's (benchmarks/RESULTS.md), with the same float64 distances; None: neither.
-_BACKEND = next((name for name, module in (("pykdtree", "pykdtree.kdtree"),
-                                           ("scipy", "scipy.spatial"))
-                 if _importable(module)), None)
+# cKDTree's (benchmarks/RESULTS.md), with the same float64 distances; before 1.4.1 it
+# returned wrong distances on very large trees. None: neither library.
+_BACKEND = ("pykdtree" if _usable("pykdtree.kdtree", (1, 4, 1))
+            else "scipy" if _usable("scipy.spatial") else None)
 
 
 def _host_primitive():

@@ -217,6 +217,15 @@ def test_either_tree_library_gives_the_same_bits(clustered, unsharded, monkeypat
     _assert_same(result, unsharded)
 
 
+def test_a_tree_library_too_old_or_missing_is_not_used():
+    """pykdtree before 1.4.1 returned wrong distances on very large trees: the release is
+    read from the installed distribution, and a missing module is never chosen."""
+    import jaxpm_halos._knn_tree as tree
+
+    assert tree._usable("numpy", (1,)) and not tree._usable("numpy", (999,))
+    assert not tree._usable("no_such_tree_library")
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
 def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monkeypatch, shape):
     """Under ``vmap`` the host tree's primitive is batched as a loop of its calls, one per
