@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from jaxpm_halos import KNNConfig  # noqa: E402
-from jaxpm_halos._cells import MORTON_BITS  # noqa: E402
-from jaxpm_halos._knn import _NODES, uniform_knn_radius  # noqa: E402
+from jaxpm_halos.core.cells import MORTON_BITS  # noqa: E402
+from jaxpm_halos.knn._search import _NODES, uniform_knn_radius  # noqa: E402
 from snapshots import jaxpm_snapshot  # noqa: E402
 
 MESH = (2, 4)

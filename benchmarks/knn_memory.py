@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxpm_halos  # noqa: E402
 from conftest import make_mesh  # noqa: E402
-from jaxpm_halos._pipeline import JitProgram  # noqa: E402
+from jaxpm_halos.core.pipeline import JitProgram  # noqa: E402
 
 
 def main(argv=None):

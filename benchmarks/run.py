@@ -323,7 +323,7 @@ with open('/proc/self/clear_refs', 'w') as f:
 base = rss('VmRSS')
 jax.block_until_ready(fn())
 warm = rss('VmHWM') - base
-from jaxpm_halos._pipeline import JitProgram
+from jaxpm_halos.core.pipeline import JitProgram
 
 def temporaries(jitted):
     stats = jitted.lower(x).compile().memory_analysis()

@@ -4,22 +4,19 @@ Importing this package imports only jax and numpy (never jaxpm or jaxdecomp).
 """
 
 from . import units
-from ._adjoint import correct_jaxpm_adjoints
-from ._catalogue import Catalogue
-from ._config import DomainConfig, FoFConfig, KNNConfig, SOConfig
-from ._fof import fof_local
-from ._halos import fof
-from ._frontend import clear_caches
-from ._jaxpm import from_jaxpm
-from ._knn_api import knn, knn_density, knn_local, knn_on_decomposition
-from ._particles import Particles
-from ._pipeline import compiler_options
-from ._retry import GrowthWarning
-from ._so import spherical_overdensity
-from ._status import CapacityError, Failure, FailureKind, InvalidInputError, Status
-from .extension import EXTENSION, InSitu, Snapshot, register
-from .extension import check as check_insitu
+from .core.catalogue import Catalogue
+from .core.config import DomainConfig, FoFConfig, KNNConfig, SOConfig
+from .core.frontend import clear_caches
+from .core.particles import Particles
+from .core.pipeline import compiler_options
+from .core.retry import GrowthWarning
+from .core.status import CapacityError, Failure, FailureKind, InvalidInputError, Status
+from .fof import fof, fof_local
+from .insitu import EXTENSION, InSitu, Snapshot, correct_jaxpm_adjoints, from_jaxpm, register
+from .insitu import check as check_insitu
 from .io import LoadedCatalogue, gather_catalogue, load_catalogue, write_catalogue
+from .knn import knn, knn_density, knn_local, knn_on_decomposition
+from .so import spherical_overdensity
 
 __all__ = [
     # data and configuration

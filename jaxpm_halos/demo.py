@@ -170,7 +170,7 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
     import jax.numpy as jnp
     import jax_cosmo as jc
 
-    from ._jaxpm import resolve_pm_nc
+    from .insitu.jaxpm import resolve_pm_nc
 
     mesh_shape = (nc, nc, nc)
     if paint_absolute_pos is None:
@@ -315,7 +315,7 @@ class _PMSetup(NamedTuple):
 def _saveat_of(saveat_fn, snapshots: tuple, saveat_inputs):
     """``saveat_fn`` as diffrax calls it, ``fn(a, y, cosmo[, inputs])``: an
     :class:`~jaxpm_halos.InSitu` takes the state first and the save times."""
-    from .extension import InSitu
+    from .insitu.insitu import InSitu
 
     if not isinstance(saveat_fn, InSitu):
         return saveat_fn
@@ -516,11 +516,11 @@ def _identity(t, y, args):
 
 
 def _pinned(fn):
-    """``fn`` reading the state through :func:`jaxpm_halos._saveloop.pin_to_save_loop`:
+    """``fn`` reading the state through :func:`jaxpm_halos.insitu.saveloop.pin_to_save_loop`:
     with one snapshot, XLA would otherwise hoist ``fn`` out of diffrax's save loop and run
     it at every PM step. Analyses are not compiled a second time for diffrax's ``t0 == t1``
     case (``skip_no_step_save``)."""
-    from ._saveloop import pin_to_save_loop, skip_no_step_save
+    from .insitu.saveloop import pin_to_save_loop, skip_no_step_save
 
     return skip_no_step_save(lambda t, y, args: fn(t, pin_to_save_loop(y), args))
 
@@ -716,7 +716,7 @@ def _parse_buffers(values: Sequence[str]) -> dict:
     """``--buffers`` values, ``"field=Config(knob=value, ...)"`` as a capacity error spells
     an ``InSitu`` keyword, as ``{field: config}``. Only config classes and literal values
     are read (nothing is evaluated)."""
-    from . import _config
+    from .core import config as _config
 
     classes = {cls.__name__: cls for cls in (_config.DomainConfig, _config.FoFConfig,
                                              _config.KNNConfig, _config.SOConfig)}
@@ -748,9 +748,9 @@ def _rerun_hint(failure, insitu) -> str:
     """What to pass the demo for a capacity ``failure`` of its in-situ run: ``--max-halos``
     for the catalogue's rows, else ``--buffers`` with the whole grown config, beside those
     of the other configs the run changed ('' when no setting fits)."""
-    from ._config import MAX_HALOS
-    from ._status import spell_config
-    from .extension import changed_configs, insitu_config
+    from .core.config import MAX_HALOS
+    from .core.status import spell_config
+    from .insitu.insitu import changed_configs, insitu_config
 
     if failure.beyond_bound:
         return ""
@@ -772,9 +772,9 @@ def main(argv=None) -> int:
     from jax.sharding import AxisType
 
     from . import units
-    from ._config import DomainConfig, FoFConfig, KNNConfig
-    from ._status import CapacityError
-    from .extension import REGISTRY, InSitu, check
+    from .core.config import DomainConfig, FoFConfig, KNNConfig
+    from .core.status import CapacityError
+    from .insitu.insitu import REGISTRY, InSitu, check
 
     analyses = tuple(a for a in args.analyses.split(",") if a)
     if "knn_density" in analyses and "knn_density" not in REGISTRY:
@@ -862,7 +862,7 @@ def _write_catalogues(saved, snapshots, args, insitu, cosmology: dict, mass: flo
     ``halos_a{a:.4f}.h5`` in ``args.out``."""
     import numpy as np
 
-    from .io import gather_catalogue, write_catalogue
+    from .io.catalogue import gather_catalogue, write_catalogue
 
     if "fof" not in saved:
         return [None] * len(snapshots)

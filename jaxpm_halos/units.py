@@ -22,7 +22,7 @@ import re
 import jax
 import numpy as np
 
-from ._particles import check_scale_factor
+from .core.particles import check_scale_factor
 
 RHO_CRIT = 2.775e11  # h^2 Msun / Mpc^3
 H0 = 100.0  # km/s / (Mpc/h)

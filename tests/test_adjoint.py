@@ -66,7 +66,7 @@ def test_refuses_another_jaxdecomp_version():
         real = md.version
         md.version = lambda name: "0.3.1" if name.lower() == "jaxdecomp" else real(name)
         import jaxpm_halos
-        from jaxpm_halos import _adjoint
+        from jaxpm_halos.insitu import adjoint as _adjoint
         try:
             jaxpm_halos.correct_jaxpm_adjoints()
         except RuntimeError as err:
@@ -184,7 +184,7 @@ def test_fresh_process_forward_bitwise_and_earlier_traces_corrected(tmp_path):
         import conftest  # first: it sets the 8 host devices before jax starts
         import numpy as np
         import test_adjoint as t
-        assert not t.jaxpm_halos._adjoint._INSTALLED
+        assert not t.jaxpm_halos.insitu.adjoint._INSTALLED
         np.savez({str(tmp_path / "ref.npz")!r}, **t.forward_outputs())
         mesh = conftest.make_mesh((2, 4))
         before = t.dot_products("paint", mesh)

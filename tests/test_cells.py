@@ -7,7 +7,7 @@ import pytest
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from jaxpm_halos._cells import search_columns, union
+from jaxpm_halos.core.cells import search_columns, union
 
 
 def _columns(rng, count, longest):

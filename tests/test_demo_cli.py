@@ -66,8 +66,8 @@ def test_a_capacity_errors_hint_pastes_into_the_demo():
     """The demo's hint for an overflow is a flag it takes, and reading it back gives the
     grown config with the run's other settings kept."""
     import jaxpm_halos as jh
-    from jaxpm_halos._config import CAPACITY, MAX_HALOS, REMOTE
-    from jaxpm_halos._status import Failure, FailureKind, Limit
+    from jaxpm_halos.core.config import CAPACITY, MAX_HALOS, REMOTE
+    from jaxpm_halos.core.status import Failure, FailureKind, Limit
     from jaxpm_halos.demo import _rerun_hint
 
     insitu = jh.InSitu(box_size=64.0, domain=jh.DomainConfig(ghost_factor=0.4))

@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos as jh
-from jaxpm_halos._domain import return_trip
-from jaxpm_halos._frontend import local_fields, prepare
-from jaxpm_halos._pipeline import plan_for
+from jaxpm_halos.core.domain import return_trip
+from jaxpm_halos.core.frontend import local_fields, prepare
+from jaxpm_halos.core.pipeline import plan_for
 from conftest import make_mesh
 
 pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
@@ -137,7 +137,7 @@ def test_overflow_is_reported_with_a_value_that_fits(flat):
 def test_sort_rows_is_a_stable_argsort():
     """The packed single-key sort equals numpy's stable argsort, with duplicates, negative
     keys and the int32 extremes, inside jit and with x64 off."""
-    from jaxpm_halos._cells import sort_rows
+    from jaxpm_halos.core.cells import sort_rows
 
     rng = np.random.default_rng(1)
     key = rng.integers(-50, 50, 5000).astype(np.int32)

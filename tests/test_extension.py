@@ -715,8 +715,8 @@ def test_check_grows_what_every_analysis_saw_overflow_in_one_suggestion():
     """FoF's status saw the ghosts overflow, kNN's (another ghost buffer of the same
     decomposition) needed more of them and the z images too: the suggestion left
     image_factor as it was, so the pasted fix met the images' overflow one rerun later."""
-    from jaxpm_halos._config import GHOSTS, IMAGES
-    from jaxpm_halos._status import Limit, Status
+    from jaxpm_halos.core.config import GHOSTS, IMAGES
+    from jaxpm_halos.core.status import Limit, Status
 
     fof = Status({"fof ghosts": jnp.int32(300)}, jnp.int32(0),
                  (("fof ghosts", Limit(GHOSTS, 100, 1000.0)),))
@@ -729,8 +729,8 @@ def test_check_grows_what_every_analysis_saw_overflow_in_one_suggestion():
 
 
 def test_check_with_the_insitu_spells_its_whole_config():
-    from jaxpm_halos._config import GHOSTS
-    from jaxpm_halos._status import Limit, Status
+    from jaxpm_halos.core.config import GHOSTS
+    from jaxpm_halos.core.status import Limit, Status
 
     status = Status({"ghosts": jnp.int32(300)}, jnp.int32(0),
                     (("ghosts", Limit(GHOSTS, 100, 1000.0)),))
@@ -808,8 +808,8 @@ def test_so_settings_are_checked_and_an_so_overflow_names_insitu_fof():
     with pytest.raises(ValueError, match="include 'fof'"):
         InSitu(box_size=32.0, analyses=("knn_density",), centre="peak")
     # An unresolved profile is spelled as the InSitu argument that holds SOConfig.
-    from jaxpm_halos._layout import Pencils
-    from jaxpm_halos._so import radius_limit
+    from jaxpm_halos.core.layout import Pencils
+    from jaxpm_halos.so.so import radius_limit
     from jaxpm_halos.extension import _error
 
     limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))
@@ -828,8 +828,8 @@ def test_an_insitu_suggestion_keeps_the_fixes_of_the_other_configs():
     and forth between the two)."""
     import re
 
-    from jaxpm_halos._layout import Pencils
-    from jaxpm_halos._so import radius_limit
+    from jaxpm_halos.core.layout import Pencils
+    from jaxpm_halos.so.so import radius_limit
     from jaxpm_halos.extension import _error
 
     limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))

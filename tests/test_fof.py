@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
-from jaxpm_halos._geometry import periodic_distance2
+from jaxpm_halos.core.geometry import periodic_distance2
 import reference as ref
 from conftest import make_mesh
 
@@ -623,7 +623,7 @@ def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survive
 def test_compiler_options_are_a_fresh_dict_the_jaxlib_knows():
     """``jaxpm_halos.compiler_options()`` is XLA's memory-minimising scheduler on CPU, a
     fresh dict per call."""
-    from jaxpm_halos._pipeline import _compiler_options
+    from jaxpm_halos.core.pipeline import _compiler_options
 
     # The jaxlib knows the option: the fallback (None) is not taken silently.
     options = jh.compiler_options()
@@ -648,7 +648,7 @@ def test_compiler_options_for_a_users_jit_give_the_same_bits():
 def test_pair_chunks_visit_every_pair_once_however_many_spans():
     """``for_each_pair_chunk`` with a span cap far below the total visits each ``(i, j)``
     of every row's ranges exactly once, as a device whose pairs pass int32 must."""
-    from jaxpm_halos._cells import for_each_pair_chunk, saturating_cumsum
+    from jaxpm_halos.core.cells import for_each_pair_chunk, saturating_cumsum
 
     rows, chunk = 60, 16
     cuts = np.sort(np.random.default_rng(0).integers(0, rows + 1, (rows, 6)), axis=1)
@@ -678,7 +678,7 @@ def test_pair_chunks_visit_every_pair_once_however_many_spans():
 def test_labels_match_scipy_when_a_devices_pairs_take_many_spans(monkeypatch):
     """A dense clump with many times a (lowered) span cap of candidate pairs, as a device
     past int32 has: the labels are still scipy's."""
-    from jaxpm_halos import _cells
+    from jaxpm_halos.core import cells as _cells
 
     cap = 10_000
     monkeypatch.setattr(_cells, "PAIR_COUNT_CAP", cap)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpm_halos._geometry import _split_square, periodic_distance2
+from jaxpm_halos.core.geometry import _split_square, periodic_distance2
 
 
 def _split(d):
@@ -77,7 +77,7 @@ X64_CHILD = textwrap.dedent("""
     jax.config.update("jax_enable_x64", True)
     import numpy as np
     from test_geometry import _split_distance2
-    from jaxpm_halos._geometry import periodic_distance2
+    from jaxpm_halos.core.geometry import periodic_distance2
 
     box = 100.0
     rng = np.random.default_rng(2)
@@ -145,7 +145,7 @@ def test_exactly_within_decides_as_exact_rationals():
     """FoF's test for pairs within float32's rounding of the linking length: pairs drawn
     within 3e-7 of l (near 0, near L and across the box's faces), pairs at exactly l (a
     3-4-5 triangle, across a face too), duplicates. float32 alone gets some wrong."""
-    from jaxpm_halos._geometry import exactly_within
+    from jaxpm_halos.core.geometry import exactly_within
 
     rng = np.random.default_rng(7)
     box, link = 256.0, 0.2

@@ -13,7 +13,7 @@ from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
 import reference as ref
-from jaxpm_halos._geometry import wrap
+from jaxpm_halos.core.geometry import wrap
 
 BOX = 100.0
 LINK = 1.0
@@ -69,7 +69,7 @@ def test_wrap_is_exact_for_far_images_and_unchanged_in_the_box(jit):
     grad = jax.grad(lambda x: jnp.sum(wrap(x, BOX)))
     edges = np.float32([BOX, -BOX, 2 * BOX, -1e-9, 0.0, 3.0])
     np.testing.assert_array_equal(np.asarray(grad(edges)), np.ones(6, np.float32))
-    from jaxpm_halos._geometry import grid_to_box
+    from jaxpm_halos.core.geometry import grid_to_box
     nc = 8
     grid = jax.grad(lambda x: jnp.sum(grid_to_box(x, nc, BOX)))(
         np.float32([nc - 1e-6, nc, -1e-7]))
@@ -696,8 +696,8 @@ def test_a_knob_shared_by_buffers_of_different_scales_is_grown_in_its_own_unit()
     at 25 query rows per unit against 512 particle rows. 200 queries in one pencil need
     factor 8; the suggestion was 534 / 25 = 21.36, the particle buffer's (unfilled) rows
     taken as query rows, which also bloated the particle buffers."""
-    from jaxpm_halos._config import CAPACITY
-    from jaxpm_halos._status import Limit, Status
+    from jaxpm_halos.core.config import CAPACITY
+    from jaxpm_halos.core.status import Limit, Status
 
     status = Status({"capacity": jnp.int32(534), "query capacity": jnp.int32(200)},
                     jnp.int32(0), (("capacity", Limit(CAPACITY, 1024, 512.0)),
@@ -717,9 +717,9 @@ def test_a_knob_shared_by_buffers_of_different_scales_is_grown_in_its_own_unit()
 def test_growth_that_runs_out_of_rounds_raises_the_failure_in_fields():
     """A call whose need keeps rising ends in a CapacityError that still carries its
     failure (it was a bare CapacityError with failure None) and counts the rounds."""
-    from jaxpm_halos._config import CAPACITY
-    from jaxpm_halos._retry import MAX_ROUNDS, run_growing
-    from jaxpm_halos._status import Limit, Status
+    from jaxpm_halos.core.config import CAPACITY
+    from jaxpm_halos.core.retry import MAX_ROUNDS, run_growing
+    from jaxpm_halos.core.status import Limit, Status
 
     calls = []
 

@@ -260,7 +260,7 @@ def test_round_trip_so_and_peak(tmp_path):
     expected = cat.to_numpy()
     assert {"peak", "m200c", "r200c", "mvir", "rvir"} <= set(expected)
     assert np.all(expected["m200c"] > 0)
-    so_units = jaxpm_halos._catalogue.insitu_units(True, ("200c", "vir"))
+    so_units = jaxpm_halos.core.catalogue.insitu_units(True, ("200c", "vir"))
     got = load_catalogue(write_catalogue(tmp_path / "so.h5", cat, **{**META, "units": so_units}))
     assert set(got.keys()) == set(expected)
     for name, value in expected.items():

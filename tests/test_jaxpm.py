@@ -125,7 +125,7 @@ def test_float64_input():
     nc, box = 4, 10.0
     rng = np.random.default_rng(1)
     disp = rng.normal(scale=3, size=(nc, nc, nc, 3))
-    from jaxpm_halos._cells import _x64
+    from jaxpm_halos.core.cells import _x64
 
     with _x64():
         p = from_jaxpm(disp, box_size=box)

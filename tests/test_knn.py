@@ -138,7 +138,7 @@ def test_k(clustered, k):
 def test_gpu_settings_give_the_same_neighbours(clustered, unsharded, monkeypatch):
     """The settings picked on a GPU (1024 batches per step, 4096 per planning step, merge
     rows cut to a power of two) give the same neighbours; run here on the CPU."""
-    import jaxpm_halos._knn as knn_module
+    from jaxpm_halos.knn import _search as knn_module
 
     monkeypatch.setattr(knn_module, "_backend", lambda: "gpu")
     chunks = []
@@ -159,7 +159,7 @@ def test_gpu_settings_give_the_same_neighbours(clustered, unsharded, monkeypatch
 
 def _certified_by_the_tree(monkeypatch):
     """Each host tree call's certificate flags (queries the tree settled), as they run."""
-    import jaxpm_halos._knn_tree as tree
+    from jaxpm_halos.knn import _tree as tree
 
     seen = []
     certify = tree._certify
@@ -201,7 +201,7 @@ def test_either_tree_library_gives_the_same_bits(clustered, unsharded, monkeypat
     """The host tree is pykdtree's where it is installed (leg 1), else cKDTree's (leg 2
     installs scipy only): each, forced in turn, must certify most queries and give the same
     bits as one device."""
-    import jaxpm_halos._knn_tree as tree
+    from jaxpm_halos.knn import _tree as tree
 
     module, name = {"pykdtree": ("pykdtree.kdtree", "KDTree"),
                     "scipy": ("scipy.spatial", "cKDTree")}[library]
@@ -220,7 +220,7 @@ def test_either_tree_library_gives_the_same_bits(clustered, unsharded, monkeypat
 def test_a_tree_library_too_old_or_missing_is_not_used():
     """pykdtree before 1.4.1 returned wrong distances on very large trees: the release is
     read from the installed distribution, and a missing module is never chosen."""
-    import jaxpm_halos._knn_tree as tree
+    from jaxpm_halos.knn import _tree as tree
 
     assert tree._usable("numpy", (1,)) and not tree._usable("numpy", (999,))
     assert not tree._usable("no_such_tree_library")
@@ -257,9 +257,9 @@ def test_frame_positions_from_image_codes_equal_the_decompositions_bitwise():
     position; the position it recomputes must be the decomposition's, bit for bit (x and
     y images from ``Extended.local_pos``, z images from ``z_images``), at 0, -0.0, just
     below L and in between, for every image."""
-    from jaxpm_halos._domain import Extended
-    from jaxpm_halos._fof import z_image_rows, z_images
-    from jaxpm_halos._knn_frame import in_frame, row_images
+    from jaxpm_halos.core.domain import Extended
+    from jaxpm_halos.core.ghosts import z_image_rows, z_images
+    from jaxpm_halos.knn._frame import in_frame, row_images
 
     box, width = 100.0, 3.0
     edge = np.float32([0.0, -0.0, 1e-7, 2.9999, 50.0, 97.00001,
@@ -670,9 +670,9 @@ def test_local_api_axes_must_cover_the_shard_maps_split_or_name_it_independent()
 
 @pytest.mark.leg1
 def test_knn_on_decomposition_shares_the_domain(clustered):
-    from jaxpm_halos._domain import decompose
-    from jaxpm_halos._geometry import wrap
-    from jaxpm_halos._layout import Pencils
+    from jaxpm_halos.core.domain import decompose
+    from jaxpm_halos.core.geometry import wrap
+    from jaxpm_halos.core.layout import Pencils
 
     k = 8
     mesh = make_mesh((2, 4))
@@ -702,9 +702,9 @@ def test_knn_on_decomposition_shares_the_domain(clustered):
 def test_knn_on_decomposition_refuses_a_width_wider_than_the_layer(clustered):
     """The decomposition records its ghost layer, so a wider search width (which would miss
     neighbours beyond the layer and report ok) is refused while tracing."""
-    from jaxpm_halos._domain import decompose
-    from jaxpm_halos._geometry import wrap
-    from jaxpm_halos._layout import Pencils
+    from jaxpm_halos.core.domain import decompose
+    from jaxpm_halos.core.geometry import wrap
+    from jaxpm_halos.core.layout import Pencils
 
     mesh = make_mesh((2, 4))
     pencils = Pencils("x", "y", 2, 4, BOX)

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpm_halos as jh
 from conftest import make_mesh
-from jaxpm_halos import _frontend
+from jaxpm_halos.core import frontend as _frontend
 
 pytestmark = [pytest.mark.newest,
               pytest.mark.skipif(not os.path.exists("/proc/self/maps"),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _control as control
+from . import control
 
 
 def _to_zero(x):

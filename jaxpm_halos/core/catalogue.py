@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._cells import sort_rows
-from ._domain import (common_mass, pmax_all, route, route_needs, selection,
+from .cells import sort_rows
+from .domain import (common_mass, pmax_all, route, route_needs, selection,
                       valued_with_derivative_of)
-from ._geometry import periodic_delta, wrap
-from ._layout import Pencils
-from ._status import Status
+from .geometry import periodic_delta, wrap
+from .layout import Pencils
+from .status import Status
 
 int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max
@@ -241,7 +241,7 @@ def _peaks(owned, density, ids, pos, group, segments: int):
 
 def _combine(rows, n, box, min_members, halo_rows, common):
     """Combine partial rows of the same label into catalogue rows (sorted by label).
-    ``common``: :func:`~._domain.common_mass` of the particles. Also returns the number of
+    ``common``: :func:`~.domain.common_mass` of the particles. Also returns the number of
     labels whose rows hold more than one root member (repeated ids)."""
     valid = jnp.arange(halo_rows) < n
     _, order = sort_rows(jnp.where(valid, rows["label"], _BIG))

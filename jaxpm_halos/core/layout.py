@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._status import is_traced
+from .status import is_traced
 
 
 def _check_cutting_axes(axes, independent) -> None:
@@ -111,7 +111,7 @@ class Layout:
         device count.
       spec: the PartitionSpec of the leading axes.
       num_particles: the input's particle count N when ``shape`` was rounded up: rows from
-        N on are padding, appended by :func:`~._frontend.prepare`. None otherwise.
+        N on are padding, appended by :func:`~.frontend.prepare`. None otherwise.
     """
 
     mesh: object

@@ -3,9 +3,9 @@
 Per device (inside ``shard_map``):
 
 1. the particles are migrated to the pencil that holds them and receive ghost copies of
-   every particle within the linking length of the pencil (:mod:`._domain`);
+   every particle within the linking length of the pencil (:mod:`jaxpm_halos.core.domain`);
 2. periodic images along z are appended, and the rows are sorted into cells of side >= l
-   (:mod:`._cells`);
+   (:mod:`jaxpm_halos.core.cells`);
 3. candidate pairs over each cell and its forward neighbours are tested in fixed-size
    chunks (by float32 squared distance; the few within its rounding of ``l`` exactly, as
    scipy's float64 decides them: :func:`near_links`), and linked pairs are merged at once
@@ -27,52 +27,21 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from . import _control as control
-from ._catalogue import Catalogue, catalogue_rows
-from ._cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
-from ._config import IMAGES, MAX_HALOS, FoFConfig
-from ._domain import Decomposition, Extended, Ghosts, pmax_all, psum_all, selection
-from ._frontend import particle_fields, particles_of
-from ._geometry import exactly_within, periodic_distance2, squared_length_limits
-from ._layout import Pencils
-from ._particles import Particles, _check_integer
-from ._pipeline import Plan, Step, analyse
-from ._status import Limit, Status
+from ..core import control
+from ..core.catalogue import Catalogue, catalogue_rows
+from ..core.cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
+from ..core.config import IMAGES, MAX_HALOS, FoFConfig
+from ..core.domain import Decomposition, Extended, Ghosts, pmax_all, psum_all, selection
+from ..core.ghosts import ghost_width, widest_linking_length, z_images
+from ..core.geometry import exactly_within, periodic_distance2, squared_length_limits
+from ..core.layout import Pencils
+from ..core.pipeline import Plan, Step
+from ..core.status import Limit, Status
 
 int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max
-
-
-def z_image_rows(ext: Extended, width: float, box_size: float, rows: int):
-    """The periodic images along z of the rows within ``width`` of z = 0 (placed at
-    z + L) and of z = L (at z - L), ``rows`` of each.
-
-    Returns the extended row (2 rows,) each image copies, its side (2 rows,) (+1: at
-    z + L, -1: at z - L), its validity, and the rows the images needed.
-    """
-    z = ext.pos[:, 2]
-    low, n_low = selection(ext.valid & (z < width), rows)
-    high, n_high = selection(ext.valid & (z >= box_size - width), rows)
-    side = jnp.concatenate([jnp.ones(rows, jnp.int8), jnp.full(rows, -1, jnp.int8)])
-    valid = jnp.concatenate([jnp.arange(rows) < n_low, jnp.arange(rows) < n_high])
-    return jnp.concatenate([low, high]), side, valid, jnp.maximum(n_low, n_high)
-
-
-def z_images(ext: Extended, width: float, box_size: float, rows: int):
-    """Append periodic images along z of the rows within ``width`` of z = 0 and z = L.
-
-    Returns the local-frame positions of all rows (extended rows, then images), their
-    validity, the extended row each image copies, and the rows the images needed.
-    """
-    pos = ext.local_pos(box_size)
-    source, side, image_valid, need = z_image_rows(ext, width, box_size, rows)
-    shift = box_size * side.astype(pos.dtype)
-    image_pos = jnp.take(pos, source, axis=0, mode="fill", fill_value=0).at[:, 2].add(shift)
-    return (jnp.concatenate([pos, image_pos]), jnp.concatenate([ext.valid, image_valid]),
-            source, need)
 
 
 def local_components(ext: Extended, pencils: Pencils, linking_length: float, width: float,
@@ -142,7 +111,7 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
 
 def near_links(near, a, b, box: float, squared_length: float, block: int = 64):
     """(P,) which of the pairs flagged ``near`` (P,) of rows ``a``, ``b`` (P, 3) are within
-    ``squared_length`` exactly (:func:`~._geometry.exactly_within`), ``block`` at a time:
+    ``squared_length`` exactly (:func:`~jaxpm_halos.core.geometry.exactly_within`), ``block`` at a time:
     they are few, so the exact test runs on them alone (no pass at all where none is)."""
     P = near.shape[0]
 
@@ -211,14 +180,6 @@ def _group_by_label(labels, component, segments: int, is_ghost, ghost_rows: int)
 # Device kernel and public API
 
 
-_GHOST_MARGIN = (1e-5, 8 * float(np.finfo(np.float32).eps))  # relative to l, to the box
-
-
-def ghost_width(linking_length: float, box_size: float) -> float:
-    """Ghost layer for FoF: the linking length plus a margin for float rounding at faces."""
-    return float(linking_length) * (1 + _GHOST_MARGIN[0]) + _GHOST_MARGIN[1] * box_size
-
-
 def linking_length_misfit(linking_length: float, pencils: Pencils) -> str | None:
     """Why FoF cannot link at ``linking_length`` on ``pencils``' mesh, or None:
     ``"box"`` when it is not below a third of the box (checked first: fewer devices cannot
@@ -227,13 +188,6 @@ def linking_length_misfit(linking_length: float, pencils: Pencils) -> str | None
     if 3 * linking_length > box:
         return "box"
     return "pencil" if ghost_width(linking_length, box) > min(pencils.widths) else None
-
-
-def widest_linking_length(pencils: Pencils) -> float:
-    """The largest linking length whose ghost layer fits the narrowest pencil of
-    ``pencils``' mesh (:func:`ghost_width` inverted)."""
-    box = pencils.box_size
-    return (min(pencils.widths) - _GHOST_MARGIN[1] * box) / (1 + _GHOST_MARGIN[0])
 
 
 def _floor_significant(x: float, digits: int) -> float:
@@ -261,7 +215,7 @@ def check_linking_length(l: float, pencils: Pencils) -> None:
 
 def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,
              peak_density=None) -> Step:
-    """FoF as a pipeline :class:`~._pipeline.Step`: labels per particle and the catalogue.
+    """FoF as a pipeline :class:`~jaxpm_halos.core.pipeline.Step`: labels per particle and the catalogue.
 
     ``plan`` is the decomposition's; when its ghost layer is wider than FoF needs (kNN's,
     in situ), FoF rebuilds ghosts of its own width from the migrated particles: the wider
@@ -324,41 +278,3 @@ def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_lengt
                           percolates=cat["percolates"], num=num, status=status,
                           peak=cat.get("peak"), centre="com" if density is None else "peak")
     return labels[:capacity], catalogue
-
-
-def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
-              min_members: int = 20, config: FoFConfig = FoFConfig(), n0: int | None = None,
-              independent_axes=()):
-    """FoF on one device's particles, for use inside the caller's own ``shard_map``.
-
-    Args:
-      particles: this device's padded :class:`~jaxpm_halos.Particles` (rows, valid first);
-        ids must be global and unique.
-      linking_length: in the unit of the positions.
-      axes: the caller's mesh axis names that cut the box along x and y (None for an axis
-        that is not cut). Device ``(i, j)`` of those axes owns pencil ``(i, j)``.
-      n0: the mean particles per device that the capacity factors refer to (default: the
-        number of rows of ``particles``).
-      independent_axes: the ``shard_map``'s other manual axes, along which each index
-        holds a separate simulation (an ensemble). A manual axis of size > 1 in neither
-        ``axes`` nor here raises ``ValueError``: the particles would be split over it
-        unseen, and groups cut.
-
-    Returns:
-      ``(domain, labels, catalogue)``: the particles this device owns after migration
-      (padded, valid first), their labels in that order (-1 in padding), and this device's
-      padded catalogue (``num`` is a scalar). No return trip is made.
-    """
-    min_members = _check_integer("min_members", min_members, 1)
-    pencils = Pencils.from_axes(axes, particles.box_size, independent_axes)
-    n0 = particles.size if n0 is None else int(n0)
-    l = float(linking_length)
-    check_linking_length(l, pencils)
-    plan = Plan(pencils, config.domain, n0, ghost_width(l, particles.box_size))
-    decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
-    outputs, _ = analyse(decomposition, domain,
-                         {"fof": fof_step(plan, l, min_members, config)})
-    catalogue = outputs["fof"]["catalogue"]
-    migrated = decomposition.migrated
-    return (particles_of(migrated, particles.box_size), outputs["fof"]["labels"],
-            dataclasses.replace(catalogue, num=catalogue.num[0]))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._geometry import wrap
+from .geometry import wrap
 
 
 @jax.tree_util.register_dataclass

@@ -1,7 +1,7 @@
 """The public kNN calls: ``knn``, ``knn_density``, ``knn_local`` and ``knn_on_decomposition``.
 
-They are thin entry points over the per-device pipeline (:mod:`._pipeline`) and the
-search kernel (:func:`._knn.knn_device`).
+They are thin entry points over the per-device pipeline (:mod:`jaxpm_halos.core.pipeline`) and the
+search kernel (:func:`._search.knn_device`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._config import KNNConfig
-from ._domain import Decomposition, pmax_all, psum_all, valued_with_derivative_of
-from ._frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
+from ..core.config import KNNConfig
+from ..core.domain import Decomposition, pmax_all, psum_all, valued_with_derivative_of
+from ..core.frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
                         prepare, program_cache, row_masses, trim_padding)
-from ._geometry import wrap
-from ._knn import ghost_width, knn_density_of, knn_device, neighbour_distances, overdensity
-from ._layout import Pencils
-from ._particles import Particles, integer_value, real_floats
-from ._pipeline import (JitProgram, Plan, Step, analyse, blank_rows, on_device, plan_for,
+from ..core.geometry import wrap
+from ._search import ghost_width, knn_density_of, knn_device, neighbour_distances, overdensity
+from ..core.layout import Pencils
+from ..core.particles import Particles, integer_value, real_floats
+from ..core.pipeline import (JitProgram, Plan, Step, analyse, blank_rows, on_device, plan_for,
                         run_sharded)
-from ._retry import run_growing
-from ._status import is_traced, refuse_nonfinite_points
+from ..core.retry import run_growing
+from ..core.status import is_traced, refuse_nonfinite_points
 
 int32 = jnp.int32
 # The particle fields a reduce fn sees in data (query points carry only "pos").
@@ -451,7 +451,7 @@ def knn_density_on_plan(plan: Plan, decomposition: Decomposition, k: int, config
 def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int,
                          width: float | None = None, *, mass=None,
                          config: KNNConfig = KNNConfig(), n0: int):
-    """kNN of the owned particles of a shared :class:`~._domain.Decomposition`.
+    """kNN of the owned particles of a shared :class:`~jaxpm_halos.core.domain.Decomposition`.
 
     ``width`` (box units) is the ghost layer the search trusts: by default the layer the
     decomposition was built with; a narrower one is allowed (more spheres are completed

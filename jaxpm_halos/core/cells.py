@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _control as control
+from . import control
 
 int32 = jnp.int32
 _MAX_CELLS = 1 << 30

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _control as control
-from ._cells import sort_rows
-from ._domain import selection
-from ._knn_frame import Index, SearchFrame, morton_of
-from ._knn_region import Queries, batch_slots, plan_region
-from ._knn_scan import scan_group
+from ..core import control
+from ..core.cells import sort_rows
+from ..core.domain import selection
+from ._frame import Index, SearchFrame, morton_of
+from ._region import Queries, batch_slots, plan_region
+from ._scan import scan_group
 
 int32 = jnp.int32
 EXACT, AGAIN, REMOTE = 0, 1, 2  # query status: exact (or no query), search again, cross-device
@@ -34,7 +34,7 @@ PLAN_GROUPS = 8  # plans are cheap: this many groups of batches per planning ste
 
 
 class SearchSettings(NamedTuple):
-    """Static settings of the local search (picked per backend by :mod:`._knn`)."""
+    """Static settings of the local search (picked per backend by :mod:`._search`)."""
 
     k: int
     kk: int
@@ -48,7 +48,7 @@ class SearchSettings(NamedTuple):
     plan_batches: int  # most batches planned per planning step (and PLAN_GROUPS groups)
     chunk: int  # candidates per step
     merge_block: int  # lists merged together when few of a group's change (all: P)
-    tree: bool  # the first pass from the host k-d tree (:mod:`._knn_tree`), not the scan
+    tree: bool  # the first pass from the host k-d tree (:mod:`._tree`), not the scan
     radius_factor: float
     gap: float  # a batch ends at a gap this wide between consecutive queries
     span: float  # or this far from its first query
@@ -107,7 +107,7 @@ class QueryTable(NamedTuple):
         return jnp.full(i.shape, -2, int32)
 
     def take(self, i, on):
-        """:class:`~._knn_region.Queries` (..., ...) of queries ``i`` (...,), valid where
+        """:class:`~._region.Queries` (..., ...) of queries ``i`` (...,), valid where
         ``on``."""
         return Queries.make(self.local(i), self.canon(i), self.id(i), on, self.rows[i])
 

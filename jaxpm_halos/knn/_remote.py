@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _control as control
-from ._domain import psum_all, selection
-from ._geometry import periodic_distance2
-from ._knn_frame import Index, SearchFrame
-from ._knn_local import REMOTE, finish_lists
-from ._knn_scan import merge_nearest
-from ._layout import Pencils
+from ..core import control
+from ..core.domain import psum_all, selection
+from ..core.geometry import periodic_distance2
+from ._frame import Index, SearchFrame
+from ._local import REMOTE, finish_lists
+from ._scan import merge_nearest
+from ..core.layout import Pencils
 
 int32 = jnp.int32
 

@@ -51,7 +51,7 @@ SEARCHES = ("auto", "tree", "scan")  # KNNConfig.search
 
 @dataclasses.dataclass(frozen=True)
 class DomainConfig:
-    """Buffer sizes of the pencil-domain exchange (see :mod:`jaxpm_halos._domain`).
+    """Buffer sizes of the pencil-domain exchange (see :mod:`jaxpm_halos.core.domain`).
 
     Attributes:
       capacity_factor: rows per device for the particles a domain owns after migration,

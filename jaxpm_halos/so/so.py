@@ -41,19 +41,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from . import _control as control
-from ._cells import (CellGrid, _x64, column_start, saturating_cumsum, search_columns,
+from ..core import control
+from ..core.cells import (CellGrid, _x64, column_start, saturating_cumsum, search_columns,
                      sort_columns, z_order)
-from ._config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
-from ._domain import Decomposition, common_mass, pmax_all, psum_all, selection
-from ._fof import ghost_width as fof_ghost_width, widest_linking_length, z_images
-from ._frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
-from ._geometry import periodic_distance2, wrap
-from ._layout import Pencils
-from ._particles import _check_integer, real_floats
-from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
-from ._retry import run_growing
-from ._status import Limit, Status, is_traced, refuse_nonfinite_points
+from ..core.config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
+from ..core.domain import Decomposition, common_mass, pmax_all, psum_all, selection
+from ..core.ghosts import ghost_width, widest_linking_length, z_images
+from ..core.frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
+from ..core.geometry import periodic_distance2, wrap
+from ..core.layout import Pencils
+from ..core.particles import _check_integer, real_floats
+from ..core.pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
+from ..core.retry import run_growing
+from ..core.status import Limit, Status, is_traced, refuse_nonfinite_points
 
 int32 = jnp.int32
 _REACH = 2  # columns of side r / 2 on each side of a centre's column cover the radius r
@@ -62,7 +62,7 @@ _FOUR_THIRDS_PI = 4.0 / 3.0 * math.pi
 
 def search_width(radius: float, box_size: float) -> float:
     """Ghost layer for searches up to ``radius``, with FoF's margin for rounding at faces."""
-    return fof_ghost_width(radius, box_size)
+    return ghost_width(radius, box_size)
 
 
 def radius_limit(radius: float, pencils: Pencils) -> Limit:
@@ -207,7 +207,7 @@ def _by_centre_and_distance(centre, d2, mass):
 def _batch(frame: _Frame, level: _Level, batch, centres, density, common, box: float,
            pairs: int) -> _Batch:
     """Profiles of the ``batch`` centres from their candidates at ``level`` (at most
-    ``pairs``); ``common`` is :func:`~._domain.common_mass` of the particles."""
+    ``pairs``); ``common`` is :func:`~jaxpm_halos.core.domain.common_mass` of the particles."""
     order, starts, ends = level.order, level.starts, level.ends
     h = centres.shape[0]
     lengths = jnp.where(batch[:, None], ends - starts, 0).reshape(-1)  # (H * 25,)

@@ -2,8 +2,8 @@
 
 A capacity can only be known once the data has been seen, and a scipy user expects no
 rounds of pasting suggestions. :func:`run_growing` runs a call, reads the first failure of
-its :class:`~._status.Status` by kind, grows that knob (with the decomposition's knobs
-that overflowed beside it, :attr:`~._status.Failure.also`) to a value that fits (with a
+its :class:`~.status.Status` by kind, grows that knob (with the decomposition's knobs
+that overflowed beside it, :attr:`~.status.Failure.also`) to a value that fits (with a
 margin, so the next snapshot of a run likely fits too), and runs again, a few rounds at
 most. When it grew anything it warns once, naming the config that fit so it can be
 passed next time and the reruns skipped.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
-from ._status import FailureKind, spell_config
+from .status import FailureKind, spell_config
 
 # Every round grows some knob, so rounds end; an SO radius too small to start with takes
 # about three per doubling (the radius, then the ghosts and pairs its wider search needs).
@@ -36,7 +36,7 @@ def run_growing(call: Callable, config, failure_of: Callable, *, grow: bool,
     Args:
       call: runs the computation with a config (outside ``jit``).
       config: the caller's config (a frozen dataclass holding every knob that can grow).
-      failure_of: the first :class:`~._status.Failure` of a result, or None.
+      failure_of: the first :class:`~.status.Failure` of a result, or None.
       grow: False raises at the first failure instead (``CapacityError`` naming a fit).
       error: ``error(failure, config) -> Exception``; default: the failure's own error,
         spelling the suggestion as ``config=...``.

@@ -3,25 +3,25 @@ pipeline (:func:`knn_device`) and its results (distances, densities).
 
 The search is split in rooms, each with one job:
 
-- :mod:`._knn_frame`: the ghost width, the device's frame, and its rows (owned, ghosts of
+- :mod:`._frame`: the ghost width, the device's frame, and its rows (owned, ghosts of
   width ``w``, periodic images along z) sorted by Morton key, so every octree node at
-  every level is one contiguous range of rows (the :class:`~._knn_frame.Index`), each held
+  every level is one contiguous range of rows (the :class:`~._frame.Index`), each held
   as its canonical coordinates and a one-byte periodic image (its position in the frame
   is recomputed where needed, bitwise as the decomposition forms it). ``w`` defaults to
   twice the k-th neighbour distance of a uniform density, capped at the pencil width.
-- :mod:`._knn_region`: queries (owned particles, or query points migrated to the pencil
+- :mod:`._region`: queries (owned particles, or query points migrated to the pencil
   that holds them) are taken in key order, in batches of up to ``batch_size`` consecutive
   queries (a batch ends early at a gap). A batch searches the box ``bbox(batch) + rho``,
   enumerated as at most 64 octree nodes of the finest level that covers it, nearest
   first; ``rho`` is estimated from the batch's own density.
-- :mod:`._knn_scan`: the batches of a group step through their candidates side by side,
+- :mod:`._scan`: the batches of a group step through their candidates side by side,
   ``chunk_size`` at a time; each step merges them (``lax.top_k`` with the running list
   first) into the lists of the queries that some candidate is nearer to than their
   current k-th neighbour, and leaves the other lists as they are.
-- :mod:`._knn_tree`: on the CPU (``KNNConfig.search``), the first pass instead: a k-d tree
+- :mod:`._tree`: on the CPU (``KNNConfig.search``), the first pass instead: a k-d tree
   over the index on the host, whose lists are kept where float32 rounding cannot reorder
   them; the others go on to the scanned passes below.
-- :mod:`._knn_local`: passes over the queries. Batches are ordered by work and scanned
+- :mod:`._local`: passes over the queries. Batches are ordered by work and scanned
   ``group_size`` at a time (on CPU, batches under a quarter full are left to the later
   passes). A query is exact when its k-th distance is at most its distance to the
   boundary of the region known complete; others are searched again with
@@ -30,15 +30,15 @@ The search is split in rooms, each with one job:
   equal distances in id order) and only the finished neighbour codes are kept per query
   (only the k-th for a density of equal masses), so the search's memory is that of one
   group of batches plus a few ints per query.
-- :mod:`._knn_remote`: the queries whose sphere leaves the ghost layer are gathered on
+- :mod:`._remote`: the queries whose sphere leaves the ghost layer are gathered on
   every device; each device whose pencil their sphere reaches returns its own particles'
   k nearest, and the home device merges the answers (every particle is owned once, so
   the merge is exact).
 
-Every distance is computed by :func:`._geometry.periodic_distance2` from canonical wrapped
+Every distance is computed by :func:`jaxpm_halos.core.geometry.periodic_distance2` from canonical wrapped
 coordinates, so distances are bitwise identical on every mesh (as long as XLA compiles
 that function alike in every program; see its docstring). Every merge keeps the
-smallest (distance, id) (:func:`._knn_scan.merge_nearest`), so the ids chosen do not depend
+smallest (distance, id) (:func:`._scan.merge_nearest`), so the ids chosen do not depend
 on the order a device scans its candidates in, and are the same on every mesh too. Self
 exclusion keeps k + 1 neighbours and drops the query's own id. Neighbour selection runs on
 stopped gradients and without reverse-mode loops; distances are then recomputed from the
@@ -54,19 +54,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._config import IMAGES, KNN_INDEX, REMOTE, KNNConfig
-from ._domain import pmax_all
-from ._geometry import periodic_distance2
-from ._knn_frame import (SearchFrame, build_index, frame_share, ghost_width,  # noqa: F401
+from ..core.config import IMAGES, KNN_INDEX, REMOTE, KNNConfig
+from ..core.domain import pmax_all
+from ..core.geometry import periodic_distance2
+from ._frame import (SearchFrame, build_index, frame_share, ghost_width,  # noqa: F401
                          requested_width, uniform_knn_radius)
-from ._knn_local import (EXACT, LocalSearch, SearchSettings, SearchState, first_scan_pass,
+from ._local import (EXACT, LocalSearch, SearchSettings, SearchState, first_scan_pass,
                          owned_queries, point_queries, search_again)
-from ._knn_region import NODES as _NODES  # noqa: F401 (benchmarks/knn_candidates.py)
-from ._knn_remote import complete_remote
-from ._knn_tree import available as _tree_available
-from ._knn_tree import tree_pass
-from ._pipeline import Plan
-from ._status import Limit, Status
+from ._region import NODES as _NODES  # noqa: F401 (benchmarks/knn_candidates.py)
+from ._remote import complete_remote
+from ._tree import available as _tree_available
+from ._tree import tree_pass
+from ..core.pipeline import Plan
+from ..core.status import Limit, Status
 
 int32 = jnp.int32
 _PLAN_BATCHES = 64  # most batches per planning step (on accelerators: 4x _ACCELERATOR)
@@ -165,8 +165,8 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
     """kNN on one device's extended rows.
 
     Args:
-      plan: the decomposition's :class:`~._pipeline.Plan`, whose width is kNN's.
-      ext: the :class:`~._domain.Extended` rows of a decomposition with ghosts of
+      plan: the decomposition's :class:`~jaxpm_halos.core.pipeline.Plan`, whose width is kNN's.
+      ext: the :class:`~jaxpm_halos.core.domain.Extended` rows of a decomposition with ghosts of
         ``plan.width``.
       ext_pos, ext_mass: differentiable canonical positions and masses of the extended rows
         (the selection uses ``ext.pos`` with stopped gradients).

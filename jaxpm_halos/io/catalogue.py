@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._catalogue import CATALOGUE_FIELDS, INSITU_UNITS
+from ..core.catalogue import CATALOGUE_FIELDS, INSITU_UNITS
 
 __all__ = ["FIELDS", "INSITU_UNITS", "LoadedCatalogue", "gather_catalogue", "load_catalogue",
            "write_catalogue"]
@@ -329,7 +329,7 @@ def _so_units(units: dict, so) -> dict:
 def _is_standard_so(name: str) -> bool:
     """Whether ``name`` (``"200c"``) is a definition :func:`jaxpm_halos.units.so_density`
     knows, the one parser of definition names (any valid omega_m will do)."""
-    from .units import so_density
+    from ..units import so_density
 
     try:
         so_density(name, omega_m=0.3)
@@ -415,7 +415,7 @@ def _check_written_rows(fields: Mapping[str, Any], min_members: int) -> None:
 
 def _run_attrs(box_size, nc, a, linking_length, b, min_members) -> dict:
     """The validated root attributes that describe the run."""
-    from ._particles import _check_integer
+    from ..core.particles import _check_integer
 
     values = {}
     for name, value in (("box_size", box_size), ("a", a), ("linking_length", linking_length),

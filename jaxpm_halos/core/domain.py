@@ -14,7 +14,7 @@
 
 Only ``jax.lax`` collectives are used (jaxdecomp's operations are silently wrong inside a
 user ``shard_map``, and ``ragged_all_to_all`` does not exist on CPU). Every buffer has a
-fixed number of rows; the rows each one needed are returned for :class:`~._status.Status`.
+fixed number of rows; the rows each one needed are returned for :class:`~.status.Status`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _control as control
-from ._cells import sort_rows
-from ._layout import Pencils
+from . import control
+from .cells import sort_rows
+from .layout import Pencils
 
 int32 = jnp.int32
 
@@ -425,7 +425,7 @@ class Decomposition:
     Computed once per snapshot and shared by every analysis (FoF, kNN, user analyses).
     ``ext`` rows ``[:capacity]`` are the owned rows of ``migrated`` in the same order.
     ``fits`` (scalar bool, the same on every device) is False when one of its buffers
-    overflowed on some device (set by :meth:`~._pipeline.Plan.decompose`, which knows the
+    overflowed on some device (set by :meth:`~.pipeline.Plan.decompose`, which knows the
     capacities; True when built here): an analysis then marks its rows unresolved rather
     than return values computed on truncated data.
     """

@@ -36,7 +36,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from ._status import is_status
+from ..core.status import is_status
 
 
 def pin_to_save_loop(tree):

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ._config import PARTICLE_KNOBS, Knob
+from .config import PARTICLE_KNOBS, Knob
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ._geometry import grid_to_box
-from ._particles import Particles, _check_box_size, check_row_count
+from ..core.geometry import grid_to_box
+from ..core.particles import Particles, _check_box_size, check_row_count
 
 
 def from_jaxpm(state_or_disp, mom=None, box_size=None, *, mass=1.0,

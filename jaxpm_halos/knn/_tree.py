@@ -2,7 +2,7 @@
 
 XLA:CPU has no cheap per-query selection (``lax.top_k`` costs about a microsecond per row
 whatever its width, and its gathers ~7 ns per element), so the batched scan of
-:mod:`._knn_scan` does several times the work of a tree walk (benchmarks/RESULTS.md). On
+:mod:`._scan` does several times the work of a tree walk (benchmarks/RESULTS.md). On
 the CPU the device buffers are host memory, so each device hands its index to a k-d tree
 (``pykdtree``, else ``scipy.spatial.cKDTree``; both release the GIL, so the device
 programs run their calls side by side) and takes back, for each query, its list and
@@ -10,13 +10,13 @@ whether it is certified.
 
 The tree ranks rows by float64 distance in the device's frame (exact for float32
 coordinates); the scan, and every mesh, rank them by (float32 squared distance from
-:func:`~._geometry.periodic_distance2`, global id). A list is certified when both must
+:func:`~jaxpm_halos.core.geometry.periodic_distance2`, global id). A list is certified when both must
 agree: consecutive float64 distances around what is kept (the k-th alone, or all k) and at
 the list's boundary lie farther apart than float32's rounding of a distance can bridge
 (2 ulp of the box plus a relative 8 eps), and the next row lies within half a box (so no
 row is a second periodic image). Queries not certified (near ties, duplicates in the
 list) are searched again by the scan about their k-th distance. Whether a result is
-complete, local or cross-device, is then decided by :func:`~._knn_local.classify` as for
+complete, local or cross-device, is then decided by :func:`~._local.classify` as for
 the scan, with the whole frame as region and the k-th distance rounded up.
 
 Shapes in comments: ``n`` queries, ``R`` index rows, ``F`` rows fetched per query, ``m``
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core, lax
 
-from ._knn_frame import SENTINEL
-from ._knn_local import SearchState, classify
+from ._frame import SENTINEL
+from ._local import SearchState, classify
 
 int32 = jnp.int32
 _QUERY_BLOCK = 16384  # queries per tree query on the host (bounds its float64 outputs)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._cells import morton_key
-from ._knn_frame import LEVELS, Index, SearchFrame
+from ..core.cells import morton_key
+from ._frame import LEVELS, Index, SearchFrame
 
 int32 = jnp.int32
 NODES = 64  # most octree nodes enumerated by one batch

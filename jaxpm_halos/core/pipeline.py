@@ -2,10 +2,10 @@
 
 A :class:`Plan` holds every buffer size of one decomposition, fixed on the host from the
 config, the pencils, the mean rows per device ``n0`` and the ghost width; it is also the
-one place their :class:`~._status.Limit` s are built. :func:`on_device` is the driver, run
+one place their :class:`~.status.Limit` s are built. :func:`on_device` is the driver, run
 inside ``shard_map``: it decomposes the particles once, runs each analysis on that
 decomposition, makes one return trip for every per-particle output, and extends every
-:class:`~._status.Status` an analysis returns with the decomposition's, so no result
+:class:`~.status.Status` an analysis returns with the decomposition's, so no result
 reports ok when the buffers it depends on overflowed. :func:`run_sharded` builds the
 ``shard_map`` whose output specs follow the kinds the analyses declare.
 """
@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ._config import CAPACITY, GHOSTS, IMAGES, TRANSFER, DomainConfig, Knob
-from ._domain import Decomposition, Migrated, decompose, migrate, pmax_all, pmin_all, psum_all
-from ._domain import return_trip, with_ghosts
-from ._layout import Layout, Pencils, width_fraction
-from ._status import Limit, Status, is_status, is_traced
+from .config import CAPACITY, GHOSTS, IMAGES, TRANSFER, DomainConfig, Knob
+from .domain import Decomposition, Migrated, decompose, migrate, pmax_all, pmin_all, psum_all
+from .domain import return_trip, with_ghosts
+from .layout import Layout, Pencils, width_fraction
+from .status import Limit, Status, is_status, is_traced
 
 KINDS = ("particle", "device", "replicated")
 
@@ -198,7 +198,7 @@ def _blank(a, kept):
 
 
 def plan_for(problem, domain: DomainConfig, width: float) -> Plan:
-    """The plan of a public call's :class:`~._frontend.Problem`."""
+    """The plan of a public call's :class:`~.frontend.Problem`."""
     layout = problem.layout
     return Plan(layout.pencils, domain, layout.local_size, float(width), layout.grid)
 
@@ -210,7 +210,7 @@ class Step(NamedTuple):
       run: ``run(decomposition) -> pytree`` on one device.
       outputs: a prefix tree of output kinds: ``"particle"`` (one value per owned row, sent
         back to the input's layout), ``"device"`` (stacked over devices along axis 0) or
-        ``"replicated"``. Every :class:`~._status.Status` inside is replicated.
+        ``"replicated"``. Every :class:`~.status.Status` inside is replicated.
     """
 
     run: Callable[[Decomposition], Any]

@@ -3,9 +3,9 @@ masses when asked, from one decomposition; and the public :func:`fof`.
 
 The catalogue's extras run on the decomposition FoF shares with them:
 
-* ``centre="peak"``: the kNN density of every particle (:mod:`._knn`), from which the
+* ``centre="peak"``: the kNN density of every particle (:mod:`jaxpm_halos.knn._search`), from which the
   catalogue picks each group's densest member (ties to the smallest id);
-* ``so=...``: SO masses and radii (:mod:`._so`) about each halo's centre (the peak, or
+* ``so=...``: SO masses and radii (:mod:`jaxpm_halos.so.so`) about each halo's centre (the peak, or
   the centre of mass), over all particles, on the decomposition's ghost layer, which is
   as wide as the largest SO radius searched.
 """
@@ -19,20 +19,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ._catalogue import CATALOGUE_FIELDS
-from ._config import MAX_HALOS, DomainConfig, FoFConfig, KNNConfig
-from ._domain import Decomposition, psum_all
-from ._fof import check_linking_length, fof_step, ghost_width
-from ._frontend import (Problem, local_fields, local_valid, prepare, program_cache, row_masses,
-                        trim_padding)
-from ._knn import ghost_width as knn_width
-from ._knn_api import check_k, knn_density_on_plan
-from ._particles import _check_integer
-from ._pipeline import JitProgram, Plan, Step, on_device, plan_for, run_sharded
-from ._retry import run_growing
-from ._so import check_densities, resolve_radius, search_width, so_on_decomposition
-from ._status import Limit, is_traced, spell_config
-from . import units
+from ..core.catalogue import CATALOGUE_FIELDS
+from ..core.config import MAX_HALOS, DomainConfig, FoFConfig, KNNConfig
+from ..core.domain import Decomposition, psum_all
+from ..core.ghosts import ghost_width
+from ._kernel import check_linking_length, fof_step
+from ..core.frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
+                             prepare, program_cache, row_masses, trim_padding)
+from ..knn._search import ghost_width as knn_width
+from ..knn.knn import check_k, knn_density_on_plan
+from ..core.layout import Pencils
+from ..core.particles import Particles, _check_integer
+from ..core.pipeline import JitProgram, Plan, Step, analyse, on_device, plan_for, run_sharded
+from ..core.retry import run_growing
+from ..so.so import check_densities, resolve_radius, search_width, so_on_decomposition
+from ..core.status import Limit, is_traced, spell_config
+from .. import units
 
 CENTRES = ("com", "peak")
 
@@ -332,3 +334,39 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
     return trim_padding(problem, labels), catalogue
 
 
+def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
+              min_members: int = 20, config: FoFConfig = FoFConfig(), n0: int | None = None,
+              independent_axes=()):
+    """FoF on one device's particles, for use inside the caller's own ``shard_map``.
+
+    Args:
+      particles: this device's padded :class:`~jaxpm_halos.Particles` (rows, valid first);
+        ids must be global and unique.
+      linking_length: in the unit of the positions.
+      axes: the caller's mesh axis names that cut the box along x and y (None for an axis
+        that is not cut). Device ``(i, j)`` of those axes owns pencil ``(i, j)``.
+      n0: the mean particles per device that the capacity factors refer to (default: the
+        number of rows of ``particles``).
+      independent_axes: the ``shard_map``'s other manual axes, along which each index
+        holds a separate simulation (an ensemble). A manual axis of size > 1 in neither
+        ``axes`` nor here raises ``ValueError``: the particles would be split over it
+        unseen, and groups cut.
+
+    Returns:
+      ``(domain, labels, catalogue)``: the particles this device owns after migration
+      (padded, valid first), their labels in that order (-1 in padding), and this device's
+      padded catalogue (``num`` is a scalar). No return trip is made.
+    """
+    min_members = _check_integer("min_members", min_members, 1)
+    pencils = Pencils.from_axes(axes, particles.box_size, independent_axes)
+    n0 = particles.size if n0 is None else int(n0)
+    l = float(linking_length)
+    check_linking_length(l, pencils)
+    plan = Plan(pencils, config.domain, n0, ghost_width(l, particles.box_size))
+    decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
+    outputs, _ = analyse(decomposition, domain,
+                         {"fof": fof_step(plan, l, min_members, config)})
+    catalogue = outputs["fof"]["catalogue"]
+    migrated = decomposition.migrated
+    return (particles_of(migrated, particles.box_size), outputs["fof"]["labels"],
+            dataclasses.replace(catalogue, num=catalogue.num[0]))

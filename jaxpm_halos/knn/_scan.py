@@ -10,17 +10,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _control as control
-from ._domain import selection
-from ._geometry import periodic_delta, squared_norm
-from ._knn_frame import Index, SearchFrame, in_frame
-from ._knn_region import Queries, Region
+from ..core import control
+from ..core.domain import selection
+from ..core.geometry import periodic_delta, squared_norm
+from ._frame import Index, SearchFrame, in_frame
+from ._region import Queries, Region
 
 int32 = jnp.int32
 
 
 def distance2_columns(ax, ay, az, bx, by, bz, box):
-    """:func:`~._geometry.periodic_distance2` from separate coordinate arrays (broadcast),
+    """:func:`~jaxpm_halos.core.geometry.periodic_distance2` from separate coordinate arrays (broadcast),
     which keeps every operation vectorised along the candidates (same values bitwise)."""
     return squared_norm(*(periodic_delta(a, b, box) for a, b in ((ax, bx), (ay, by), (az, bz))))
 

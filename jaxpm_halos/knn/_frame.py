@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._cells import MORTON_BITS, morton_key, sort_rows
-from ._config import KNNConfig
-from ._domain import selection
-from ._fof import z_image_rows
-from ._layout import Pencils
+from ..core.cells import MORTON_BITS, morton_key, sort_rows
+from ..core.config import KNNConfig
+from ..core.domain import selection
+from ..core.ghosts import z_image_rows
+from ..core.layout import Pencils
 
 int32 = jnp.int32
 SENTINEL = np.iinfo(np.int32).max
@@ -116,7 +116,7 @@ def in_frame(cx, cy, cz, code, box: float):
 
 def row_images(ext, source, side):
     """Image codes (E + 2 image_rows,) int8 of the extended rows (E,) followed by their z
-    images (``source``, ``side`` from :func:`~._fof.z_image_rows`). Coded apart and joined
+    images (``source``, ``side`` from :func:`~jaxpm_halos.core.ghosts.z_image_rows`). Coded apart and joined
     as int8: no int32 image array of that length is formed."""
     images = ext.image[jnp.minimum(source, ext.pos.shape[0] - 1)]  # (2 image_rows, 2)
     return jnp.concatenate([image_code(ext.image[:, 0], ext.image[:, 1], 0),
@@ -133,7 +133,7 @@ class Index(NamedTuple):
         (contiguous loads in the distance kernels); every distance is computed from them.
       image: (R,) int8 the periodic image that places each row in the device's frame
         (:func:`image_code`); :meth:`local` gives the positions there.
-      ext_row: (R,) extended row (:class:`~._domain.Extended`) each sorted row copies.
+      ext_row: (R,) extended row (:class:`~jaxpm_halos.core.domain.Extended`) each sorted row copies.
       ext_id: (E,) the extended rows' global ids (the decomposition's own array).
       owned: (R,) bool: an owned row itself (not a ghost, not an image).
     """
