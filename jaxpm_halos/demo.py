@@ -315,7 +315,7 @@ class _PMSetup(NamedTuple):
 def _saveat_of(saveat_fn, snapshots: tuple, saveat_inputs):
     """``saveat_fn`` as diffrax calls it, ``fn(a, y, cosmo[, inputs])``: an
     :class:`~jaxpm_halos.InSitu` takes the state first and the save times."""
-    from .insitu.insitu import InSitu
+    from .insitu import InSitu
 
     if not isinstance(saveat_fn, InSitu):
         return saveat_fn
@@ -750,7 +750,7 @@ def _rerun_hint(failure, insitu) -> str:
     of the other configs the run changed ('' when no setting fits)."""
     from .core.config import MAX_HALOS
     from .core.status import spell_config
-    from .insitu.insitu import changed_configs, insitu_config
+    from .insitu.errors import changed_configs, insitu_config
 
     if failure.beyond_bound:
         return ""
@@ -774,7 +774,7 @@ def main(argv=None) -> int:
     from . import units
     from .core.config import DomainConfig, FoFConfig, KNNConfig
     from .core.status import CapacityError
-    from .insitu.insitu import REGISTRY, InSitu, check
+    from .insitu import REGISTRY, InSitu, check
 
     analyses = tuple(a for a in args.analyses.split(",") if a)
     if "knn_density" in analyses and "knn_density" not in REGISTRY:

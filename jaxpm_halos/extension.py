@@ -8,9 +8,34 @@ entry-point group ``jaxpm.extensions`` (name ``halos``), pointing at :data:`EXTE
     insitu = halos.InSitu(box_size=128.0, analyses=("fof", "knn_density"))
     saveat = insitu.saveat(ts=[0.5, 1.0])      # a diffrax.SaveAt for diffeqsolve
 
-The machinery lives in :mod:`jaxpm_halos.insitu`; this module keeps the entry point's path.
+The machinery lives in :mod:`jaxpm_halos.insitu`.
 """
 
-from .insitu import EXTENSION, REGISTRY, InSitu, Snapshot, check, register
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+from .insitu import REGISTRY, InSitu, Snapshot, check, register
+from .insitu.registry import Analysis
 
 __all__ = ["EXTENSION", "REGISTRY", "InSitu", "Snapshot", "check", "register"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Extension:
+    """The object behind the ``jaxpm.extensions`` entry point ``halos``."""
+
+    name: str
+    registry: Mapping[str, Analysis]
+    InSitu: type
+    register: Callable
+
+    @property
+    def analyses(self) -> tuple[str, ...]:
+        return tuple(sorted(self.registry))
+
+
+EXTENSION = Extension("halos", REGISTRY, InSitu, register)
+
+

@@ -810,16 +810,16 @@ def test_so_settings_are_checked_and_an_so_overflow_names_insitu_fof():
     # An unresolved profile is spelled as the InSitu argument that holds SOConfig.
     from jaxpm_halos.core.layout import Pencils
     from jaxpm_halos.so.so import radius_limit
-    from jaxpm_halos.extension import _error
+    from jaxpm_halos.insitu.errors import insitu_error
 
     limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))
     failure = jaxpm_halos.Failure(jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows,
                                   "so radius", limit, 2 * limit.rows)
     insitu = InSitu(box_size=32.0, omega_m=0.3, so=("vir",), fof=jaxpm_halos.FoFConfig(
         max_halos=64, so=jaxpm_halos.SOConfig(radius=4.0)))
-    message = str(_error(failure, insitu))
+    message = str(insitu_error(failure, insitu))
     assert "InSitu(fof=FoFConfig(max_halos=64, so=SOConfig(radius=8.0" in message
-    assert str(_error(failure, None)).count("InSitu(fof=FoFConfig(so=SOConfig(radius=8.0") == 1
+    assert str(insitu_error(failure, None)).count("InSitu(fof=FoFConfig(so=SOConfig(radius=8.0") == 1
 
 
 def test_an_insitu_suggestion_keeps_the_fixes_of_the_other_configs():
@@ -830,14 +830,14 @@ def test_an_insitu_suggestion_keeps_the_fixes_of_the_other_configs():
 
     from jaxpm_halos.core.layout import Pencils
     from jaxpm_halos.so.so import radius_limit
-    from jaxpm_halos.extension import _error
+    from jaxpm_halos.insitu.errors import insitu_error
 
     limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))
     failure = jaxpm_halos.Failure(jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows,
                                   "so radius", limit, 2 * limit.rows)
     domain = jaxpm_halos.DomainConfig(ghost_factor=0.46)
     insitu = InSitu(box_size=32.0, omega_m=0.3, so=("vir",), domain=domain)
-    message = str(_error(failure, insitu))
+    message = str(insitu_error(failure, insitu))
     spelled = re.search(r"Rerun with InSitu\((.*?)\)(?: or more|\.)", message).group(1)
     pasted = eval(f"dict({spelled})", vars(jaxpm_halos))
     assert pasted["domain"] == domain

@@ -1,254 +1,44 @@
-"""The JaxPM extension: registered analyses run in situ, inside diffrax's jitted solve.
+"""``InSitu``: registered analyses run inside diffrax's jitted solve of a JaxPM run.
 
-JaxPM has no plugin mechanism of its own, so jaxpm_halos declares itself under the Python
-entry-point group ``jaxpm.extensions`` (name ``halos``), pointing at :data:`EXTENSION`::
-
-    from importlib.metadata import entry_points
-    halos = entry_points(group="jaxpm.extensions")["halos"].load()
-    insitu = halos.InSitu(box_size=128.0, analyses=("fof", "knn_density"))
-    saveat = insitu.saveat(ts=[0.5, 1.0])      # a diffrax.SaveAt for diffeqsolve
-
-At each saved time the state ``y = (displacement, momentum)`` is decomposed over the mesh
-once (migration plus the widest ghost layer any selected analysis needs), every analysis
-runs on that decomposition, and all per-particle outputs make one return trip together to
-JaxPM's grid layout and sharding. FoF, whose layer is narrow, rebuilds only the ghosts of
-its own width from the migrated particles when the shared layer is wider (kNN's).
-
-Writing an analysis::
-
-    @jaxpm_halos.register("mean_speed", outputs={"speed": "particle", "total": "device"})
-    def mean_speed(snap: jaxpm_halos.Snapshot):
-        v = snap.particles.vel                      # owned rows, km/s
-        speed = jnp.linalg.norm(v, axis=-1)         # per particle (owned rows)
-        return {"speed": speed, "total": jnp.sum(jnp.where(snap.valid, speed, 0))[None]}
-
-Output kinds: ``"particle"`` leaves hold one value per owned row and come back in the
-input's grid layout; ``"device"`` leaves are per-device arrays stacked along axis 0;
-``"replicated"`` leaves are the same on every device (e.g. a :class:`Status`).
+``insitu.saveat(ts=...)`` gives the ``diffrax.SaveAt`` whose ``fn`` runs the analyses at
+each saved time (:mod:`jaxpm_halos.insitu.registry` says what an analysis sees); calling
+``insitu(y, a)`` runs them on one state. One compiled program per state layout, settings
+and registry generation; buffers that overflow outside ``jit`` are grown and the call
+rerun (:mod:`jaxpm_halos.core.retry`).
 """
+
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..core.catalogue import insitu_units
-from ..core.config import DomainConfig, FoFConfig, KNNConfig, SOConfig
-from ..core.domain import Decomposition
+from ..core.config import DomainConfig, FoFConfig, KNNConfig
 from ..core.ghosts import widest_linking_length
 from ..fof._kernel import linking_length_misfit
-from ..fof.fof import Extras, check_centre, halo_step, peak_densities, so_request
+from ..fof.fof import check_centre, so_request
 from ..core.frontend import local_fields, particles_of, prepare, program_cache
 from ..core.geometry import grid_to_box
 from .jaxpm import check_state_positions, resolve_pm_nc
-from ..knn._search import ghost_width as knn_ghost_width, overdensity
-from ..knn.knn import check_k, knn_density_on_plan, knn_on_decomposition
+from ..knn.knn import check_k
 from ..core.layout import Pencils
-from ..core.particles import Particles, _check_integer, check_real, check_scale_factor
-from ..core.pipeline import (KINDS, JitProgram, Plan, Step, on_device, plan_for, replication_status,
+from ..core.particles import _check_integer, check_real, check_scale_factor
+from ..core.pipeline import (JitProgram, Step, on_device, plan_for, replication_status,
                         run_sharded)
-from ..so.so import resolve_radius
 from ..core.retry import run_growing
 from .saveloop import pin_to_save_loop, skip_no_step_save
-from ..core.status import FailureKind, is_status, is_traced, spell_config
+from ..core.status import is_traced, spell_config
 from .. import units
 
 
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """What an analysis sees on one device (inside ``shard_map``).
-
-    Attributes:
-      particles: the particles this device owns after migration (padded, valid first):
-        positions in Mpc/h (box units), velocities in km/s, masses in Msun/h when the
-        :class:`InSitu` knows ``omega_m`` (else 1), lattice ids.
-      decomposition: the shared :class:`~jaxpm_halos.core.domain.Decomposition` (owned rows
-        plus ghosts within ``plan.width``).
-      plan: the decomposition's buffer sizes (:class:`~jaxpm_halos.core.pipeline.Plan`:
-        ``pencils``, ``n0`` mean particles per device, ghost ``width``).
-      a: the scale factor (traced scalar).
-      insitu: the :class:`InSitu` settings.
-      so_densities: ``(len(insitu.so),)`` threshold densities of ``insitu.so`` at ``a``
-        (:func:`~jaxpm_halos.units.so_density`, comoving (Msun/h) / (Mpc/h)^3), computed
-        as ``fof(so=..., a=...)`` computes them (see :meth:`InSitu.__call__`).
-    """
-
-    particles: Particles
-    decomposition: Decomposition
-    plan: Plan
-    a: jax.Array
-    insitu: "InSitu"
-    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    so_densities: jax.Array | None = None
-
-    def shared(self, key: str, compute: Callable[[], Any]):
-        """``compute()``, run once per snapshot however many analyses ask for ``key`` (the
-        kNN search that both ``knn_density`` and FoF's density peaks use)."""
-        if key not in self.memo:
-            self.memo[key] = compute()
-        return self.memo[key]
-
-    def knn(self, k: int, *, mass=None, config: KNNConfig = KNNConfig()):
-        """:func:`~jaxpm_halos.knn_on_decomposition` of the owned particles on this
-        snapshot's own ghost layer (``self.width``). Spheres wider than the layer are
-        completed across devices, so any width is exact; register the analysis with a
-        ``width`` near the k-th neighbour distance to keep that pass small. Returns
-        ``(result, status)``."""
-        return knn_on_decomposition(self.pencils, self.decomposition, k, mass=mass,
-                                    config=config, n0=self.n0)
-
-    @property
-    def pencils(self) -> Pencils:
-        return self.plan.pencils
-
-    @property
-    def width(self) -> float:
-        return self.plan.width
-
-    @property
-    def n0(self) -> int:
-        return self.plan.n0
-
-    @property
-    def valid(self):
-        """Owned-row mask."""
-        return self.particles.valid()
-
-
-@dataclasses.dataclass(frozen=True)
-class Analysis:
-    """A registered in-situ analysis.
-
-    Attributes:
-      name: registry key.
-      run: ``run(snapshot) -> pytree`` on one device.
-      outputs: output kinds, a prefix pytree of ``"particle" | "device" | "replicated"``.
-      width: ``width(insitu, pencils) -> float``, the ghost layer the analysis needs (Mpc/h).
-    """
-
-    name: str
-    run: Callable[[Snapshot], Any]
-    outputs: Any
-    width: Callable[["InSitu", Pencils], float]
-
-
-REGISTRY: dict[str, Analysis] = {}
-# Keys of InSitu's result beside the analyses' names: an analysis may not take them.
-_RESERVED = ("a", "domain", "state")
-# Bumped by every registration: compiled InSitu programs are keyed on it, so a name
-# registered again runs its new function, not the program compiled with the old one.
-_generation = [0]
-
-
-def register(name: str, *, outputs: Any = "particle", width: Callable | float = 0.0):
-    """Decorator registering ``fn(snapshot) -> pytree`` as an in-situ analysis.
-
-    Registering a name again replaces that analysis (later calls run the new function).
-    The names of the built-in analyses and of InSitu's other result keys (``"a"``,
-    ``"domain"``, ``"state"``) are refused."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"an analysis name must be a non-empty string, not {name!r}")
-    if name in _RESERVED:
-        raise ValueError(f"{name!r} is a key of InSitu's result beside the analyses "
-                         f"({', '.join(_RESERVED)}): choose another analysis name")
-    builtin = REGISTRY.get(name)
-    if builtin is not None and builtin.run.__module__ == __name__:
-        raise ValueError(f"{name!r} is a built-in analysis of jaxpm_halos: register yours "
-                         "under another name")
-
-    unknown = [k for k in jax.tree.leaves(outputs) if k not in KINDS]
-    if unknown:
-        raise ValueError(f"analysis {name!r}: outputs= holds kinds {unknown}; each must be one "
-                         f"of {KINDS}")
-
-    def wrap(fn):
-        width_fn = width if callable(width) else (lambda insitu, pencils, w=float(width): w)
-        REGISTRY[name] = Analysis(name, fn, outputs, width_fn)
-        _generation[0] += 1
-        return fn
-
-    return wrap
-
-
-def analysis(name: str) -> Analysis:
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"no in-situ analysis named {name!r}; registered: "
-                         f"{sorted(REGISTRY)}") from None
-
-
-# ----------------------------------------------------------------------------------------
-# Built-in analyses
-
-
-def _extras(insitu: "InSitu", pencils: Pencils) -> Extras:
-    radius = resolve_radius(insitu.fof.so, insitu.box_size / insitu.nc, pencils) \
-        if insitu.so else 0.0
-    return Extras(insitu.so, insitu.centre, insitu.k, radius)
-
-
-def _fof_width(insitu: "InSitu", pencils: Pencils) -> float:
-    return _extras(insitu, pencils).width(insitu.linking_length, insitu.nc ** 3, pencils,
-                                          insitu.knn)
-
-
-@register("fof", outputs={"labels": "particle", "catalogue": "device"}, width=_fof_width)
-def _fof_analysis(snap: Snapshot):
-    """FoF labels (lattice index of each group's first particle) and the catalogue
-    (positions Mpc/h, velocities km/s, masses Msun/h or particle counts), with SO masses
-    (Msun/h) and radii (comoving Mpc/h) and density peaks when the InSitu asks."""
-    insitu = snap.insitu
-    extras = _extras(insitu, snap.pencils)
-    densities = snap.so_densities if extras.so else None
-    density = None
-    if extras.centre == "peak":
-        density = lambda dec: peak_densities(*_knn_density(snap))
-    step = halo_step(snap.plan, insitu.linking_length, insitu.min_members, insitu.fof, extras,
-                     densities, density)
-    out = step.run(snap.decomposition)
-    # Written into catalogue files: only here are the units of every field known.
-    out["catalogue"] = dataclasses.replace(
-        out["catalogue"], units=tuple(insitu_units(insitu.omega_m is not None, extras.so).items()))
-    return out
-
-
-def _knn_width(insitu: "InSitu", pencils: Pencils) -> float:
-    return knn_ghost_width(insitu.k, insitu.nc ** 3, pencils, insitu.knn)
-
-
-def _knn_density(snap: Snapshot):
-    """``(density, status)`` of the owned particles, shared by ``knn_density`` and FoF's
-    peaks (every particle has the same mass in situ: only the k-th neighbour is kept)."""
-    insitu = snap.insitu
-    plan = snap.plan.with_width(_knn_width(insitu, snap.pencils))
-    return snap.shared("knn", lambda: knn_density_on_plan(plan, snap.decomposition, insitu.k,
-                                                          insitu.knn, equal_masses=True))
-
-
-@register("knn_density", outputs={"density": "particle", "status": "replicated"},
-          width=_knn_width)
-def _knn_density_analysis(snap: Snapshot):
-    """kNN density ``(k - 1) m / (4/3 pi r_k^3)`` per particle, in (Msun/h) / (Mpc/h)^3 when
-    the :class:`InSitu` knows ``omega_m`` (else particles per (Mpc/h)^3), or the overdensity
-    ``rho / rho_mean - 1``. Exact: spheres that leave the ghost layer are completed across
-    devices."""
-    insitu = snap.insitu
-    rho, status = _knn_density(snap)
-    if insitu.overdensity:
-        count = jnp.int32(insitu.nc ** 3)  # as the offline call counts them
-        rho = overdensity(rho, count * snap.particles.mass[0], insitu.box_size)
-    return {"density": rho, "status": status}
-
-
-# ----------------------------------------------------------------------------------------
-# The in-situ driver
+from .errors import insitu_error, first_failure, spelling
+from .registry import Analysis, Snapshot, _generation, analysis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,8 +188,8 @@ class InSitu:
         if is_traced(y, a, densities):
             out = run(bound)
         else:
-            out, _ = run_growing(run, bound, _first_failure, grow=grow, error=_error,
-                                 spell=_spelling)
+            out, _ = run_growing(run, bound, first_failure, grow=grow, error=insitu_error,
+                                 spell=spelling)
         if bound.save_state:
             out["state"] = y
         return out
@@ -514,74 +304,6 @@ def _state_array(y):
     return y.astype(jnp.float32)
 
 
-def check(outputs, insitu: "InSitu | None" = None) -> None:
-    """Host-side: raise if any buffer of an in-situ run overflowed, at any snapshot.
-
-    The error spells the setting as the ``InSitu`` argument holding the knob: the shared
-    decomposition is sized by ``InSitu.domain``, FoF by ``InSitu.fof``, kNN by
-    ``InSitu.knn``. Given the ``insitu`` that ran, the setting is that whole config with
-    the overflowing knobs changed, next to the other configs it ran with that differ from
-    the defaults (so earlier fixes are kept whichever config they changed); without it,
-    the default config with those knobs. ``outputs`` may be the whole output or any part
-    of it.
-    """
-    failure = _first_failure(outputs)
-    if failure is not None:
-        raise _error(failure, insitu)
-
-
-_CONFIG_FIELD = {DomainConfig: "domain", FoFConfig: "fof", KNNConfig: "knn"}
-_CONFIG_CLASS = {attr: cls for cls, attr in _CONFIG_FIELD.items()}
-
-
-def _first_failure(outputs):
-    """The first failure of any :class:`Status` in ``outputs`` (each analysis's own, which
-    covers the shared decomposition too), or None. An overflow also grows the buffers of
-    its config class that the other analyses' failures grow (``Failure.also``): each status
-    sees the shared decomposition through its own buffers, so one suggestion holds them all
-    and a pasted fix does not meet the next of them one rerun later."""
-    failures = [status.failure() for status in jax.tree.leaves(
-        outputs, is_leaf=is_status) if is_status(status)]
-    failures = [f for f in failures if f is not None]
-    if not failures or failures[0].kind is not FailureKind.OVERFLOW:
-        return failures[0] if failures else None
-    return failures[0].joined(failures[1:])
-
-
-def _error(failure, insitu: "InSitu | None") -> Exception:
-    if failure.limit is None:
-        return failure.error()
-    attr, config = insitu_config(failure, insitu)
-    # The other configs the run changed are spelled too: a user who replaces an earlier
-    # suggestion (say domain=...) with this one must not lose the earlier fix.
-    changed = {} if insitu is None else changed_configs(insitu)
-    parts = {a: text.replace("{", "{{").replace("}", "}}") for a, text in changed.items()}
-    parts[attr] = f"{attr}={{}}"  # the grown config goes here
-    spelled = ", ".join(parts[a] for a in _CONFIG_FIELD.values() if a in parts)
-    return failure.error(config, f"InSitu({spelled})")
-
-
-def insitu_config(failure, insitu: "InSitu | None") -> tuple[str, object]:
-    """``(attr, config)``: the ``InSitu`` field holding the overflowing knob of ``failure``
-    and the config it ran with (the default one without ``insitu``)."""
-    owner = failure.limit.knob.owner
-    attr = "fof" if owner is SOConfig else _CONFIG_FIELD[owner]  # SO settings: fof.so
-    return attr, getattr(insitu, attr) if insitu is not None else _CONFIG_CLASS[attr]()
-
-
-def changed_configs(insitu: InSitu) -> dict[str, str]:
-    """``{attr: "attr=Config(...)"}`` for each config of ``insitu`` that differs from its
-    default, in ``InSitu``'s order."""
-    return {attr: f"{attr}={spell_config(getattr(insitu, attr))}"
-            for attr in _CONFIG_FIELD.values()
-            if getattr(insitu, attr) != type(getattr(insitu, attr))()}
-
-
-def _spelling(insitu: InSitu) -> str:
-    """The ``InSitu`` arguments of the configs that differ from the defaults."""
-    return f"InSitu({', '.join(changed_configs(insitu).values())})"
-
-
 def _state_layout(insitu: InSitu, y):
     mesh = insitu.mesh
     if mesh is None and is_traced(y):
@@ -669,20 +391,3 @@ def _grid_positions(disp, pencils: Pencils, nc: int):
     qz = jnp.arange(bz)[None, None, :]
     q = jnp.stack(jnp.broadcast_arrays(qx, qy, qz), axis=-1).astype(disp.dtype)
     return q + disp
-
-
-@dataclasses.dataclass(frozen=True)
-class Extension:
-    """The object behind the ``jaxpm.extensions`` entry point ``halos``."""
-
-    name: str
-    registry: Mapping[str, Analysis]
-    InSitu: type
-    register: Callable
-
-    @property
-    def analyses(self) -> tuple[str, ...]:
-        return tuple(sorted(self.registry))
-
-
-EXTENSION = Extension("halos", REGISTRY, InSitu, register)
