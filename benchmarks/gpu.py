@@ -55,7 +55,7 @@ K = 16
 
 def snapshot(nc):
     """JaxPM z = 0 displacement and momentum on the GPU (run.py's recipe, one device)."""
-    from jaxpm_halos.demo import run_simulation
+    from jaxpm_halos.simulation import run_simulation
 
     t = time.perf_counter()
     result = run_simulation(nc, float(nc), 20, mesh=None, seed=0)

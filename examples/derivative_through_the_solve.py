@@ -25,7 +25,9 @@ themselves differentiate correctly in both modes.
 import argparse
 import warnings
 
-from jaxpm_halos.demo import default_halo_size, default_mesh_shape, use_host_devices
+from jaxpm_halos.pm import default_halo_size
+
+from jaxpm_halos.simulation import default_mesh_shape, use_host_devices
 
 use_host_devices()
 

@@ -32,7 +32,9 @@ import argparse
 import time
 import warnings
 
-from jaxpm_halos.demo import default_halo_size, use_host_devices
+from jaxpm_halos.pm import default_halo_size
+
+from jaxpm_halos.simulation import use_host_devices
 
 use_host_devices()
 

@@ -84,7 +84,7 @@ def momentum_to_velocity(p, a, box_size, nc):
     The derivation holds for any grid: the momentum is in the unit of the state's positions,
     so ``nc`` is the number of cells per side of the grid whose cells measure the positions.
     For an absolute-position state on a PM grid of ``pm_nc`` cells per side (JaxPM's
-    ``paint_absolute_pos=True``; ``jaxpm_halos.demo.run_simulation(pm_nc=...)``) that is
+    ``paint_absolute_pos=True``; ``jaxpm_halos.simulation.run_simulation(pm_nc=...)``) that is
     ``pm_nc``: there ``x_pm = (pm_nc / nc) x_lattice``, so ``p_pm = (pm_nc / nc) p_lattice``
     and ``v = H0 (box_size / pm_nc) p_pm / a`` is the same velocity.
 

@@ -1,7 +1,7 @@
 """Real JaxPM snapshots for tests and benchmarks, cached on disk.
 
 A snapshot is the final state of a distributed JaxPM run (2LPT at a = 0.1, then PM steps to
-a = 1 with diffrax's LeapfrogMidpoint; see :func:`jaxpm_halos.demo.run_simulation`) on a
+a = 1 with diffrax's LeapfrogMidpoint; see :func:`jaxpm_halos.simulation.run_simulation`) on a
 ``(2, 4)`` mesh of 8 host CPU devices. The first call for a given (nc, box, steps, seed,
 mesh) runs the simulation and stores ``disp`` and ``mom`` as ``.npz`` under the cache
 folder; later calls (and later pytest sessions) load it.
@@ -95,7 +95,7 @@ def jaxpm_snapshot(nc: int, box: float, steps: int, seed: int = 0, mesh_shape=(2
             a, omega_m, halo_size = float(f["a"]), float(f["omega_m"]), int(f["halo_size"])
         cached = True
     else:
-        from jaxpm_halos.demo import run_simulation
+        from jaxpm_halos.simulation import run_simulation
 
         result = run_simulation(nc, float(box), steps, mesh=mesh, seed=seed)
         disp, mom = np.asarray(result.state[0]), np.asarray(result.state[1])

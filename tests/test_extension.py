@@ -464,7 +464,7 @@ def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat
     switchable_saveat_fn wraps the analyses in a lax.cond; and for any saveat_fn there (here
     a sort of the displacements along z)."""
     from hlo import save_loop_counts
-    from jaxpm_halos.demo import run_simulation, switchable_saveat_fn
+    from jaxpm_halos.simulation import run_simulation, switchable_saveat_fn
 
     nc, box = 16, 32.0
     mesh = make_mesh((2, 4))
@@ -809,7 +809,7 @@ def test_so_settings_are_checked_and_an_so_overflow_names_insitu_fof():
         InSitu(box_size=32.0, analyses=("knn_density",), centre="peak")
     # An unresolved profile is spelled as the InSitu argument that holds SOConfig.
     from jaxpm_halos.core.layout import Pencils
-    from jaxpm_halos.so.so import radius_limit
+    from jaxpm_halos.so._search import radius_limit
     from jaxpm_halos.insitu.errors import insitu_error
 
     limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))
@@ -829,7 +829,7 @@ def test_an_insitu_suggestion_keeps_the_fixes_of_the_other_configs():
     import re
 
     from jaxpm_halos.core.layout import Pencils
-    from jaxpm_halos.so.so import radius_limit
+    from jaxpm_halos.so._search import radius_limit
     from jaxpm_halos.insitu.errors import insitu_error
 
     limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))

@@ -168,7 +168,7 @@ def test_bad_inputs(args, kwargs, match):
 @pytest.mark.optimised
 def test_in_situ_saveat():
     """from_jaxpm inside diffrax's SaveAt fn of a distributed run (the demo's plug-in point)."""
-    from jaxpm_halos.demo import describe_layout, run_simulation
+    from jaxpm_halos.simulation import describe_layout, run_simulation
 
     nc, box = 16, 32.0
     mesh = make_mesh((2, 4))

@@ -83,7 +83,9 @@ def test_refined_ode_at_lattice_resolution_is_jaxpms():
     (run_simulation(paint_absolute_pos=True)) evolves q + d like its displacement mode."""
     from jaxpm.pm import make_diffrax_ode
 
-    from jaxpm_halos.demo import refined_pm_ode, run_simulation
+    from jaxpm_halos.pm import refined_pm_ode
+
+    from jaxpm_halos.simulation import run_simulation
 
     nc, box = 16, 32.0
     w = _quiet()
@@ -118,7 +120,8 @@ def test_refined_ode_on_a_mesh_equals_one_device():
     64 Mpc/h: the (2, 4) mesh's blocks are 16 Mpc/h along y, and the default halo (the
     cap, 2 blocks) reaches 16 Mpc/h; particles strayed up to 11 Mpc/h. In 32 Mpc/h they
     strayed 13 Mpc/h, past the 8 Mpc/h reach, and the run differed by 1.3 PM cells."""
-    from jaxpm_halos.demo import default_halo_size, refined_pm_ode, run_simulation
+    from jaxpm_halos.pm import default_halo_size, refined_pm_ode
+    from jaxpm_halos.simulation import run_simulation
 
     nc, box, steps = 16, 64.0, 5
     mesh = make_mesh((2, 4))
@@ -163,7 +166,7 @@ def test_insitu_absolute_positions_and_velocities(rows_analysis, mesh_shape):
     wrap(x box / pm_nc), velocities 100 (box / pm_nc) p / a km/s and lattice ids (numpy,
     float64), and the same positions and velocities as the lattice-mode state of the same
     initial field (where p is in lattice cells: the velocity is unit-independent)."""
-    from jaxpm_halos.demo import run_simulation
+    from jaxpm_halos.simulation import run_simulation
 
     nc, box, a = 16, 48.0, 0.1
     mesh = None if mesh_shape is None else make_mesh(mesh_shape)
@@ -209,7 +212,7 @@ def fine_insitu_run():
     the solve at a = 1."""
     import jax_cosmo as jc
 
-    from jaxpm_halos.demo import run_simulation
+    from jaxpm_halos.simulation import run_simulation
 
     nc, box = 32, 32.0
     omega_m = OMEGA_C + float(jc.Planck15().Omega_b)
@@ -319,7 +322,7 @@ def test_bad_paint_absolute_pos():
 
 @requires_jaxpm
 def test_run_simulation_pm_nc_errors():
-    from jaxpm_halos.demo import run_simulation
+    from jaxpm_halos.simulation import run_simulation
 
     with pytest.raises(ValueError, match="needs an absolute-position state"):
         run_simulation(16, 32.0, 2, pm_nc=32, paint_absolute_pos=False)

@@ -24,7 +24,7 @@ G_SI = 6.67430e-11  # m^3 kg^-1 s^-2
 MSUN_KG = 1.32712440041e20 / G_SI
 MPC_M = 3.0856775814913673e22
 
-OMEGA_C, SIGMA8 = 0.25, 0.8  # the cosmology of jaxpm_halos.demo.run_simulation
+OMEGA_C, SIGMA8 = 0.25, 0.8  # the cosmology of jaxpm_halos.simulation.run_simulation
 
 
 def test_particle_mass_from_newton():

@@ -32,7 +32,8 @@ from ..core.layout import Pencils
 from ..core.particles import Particles, _check_integer
 from ..core.pipeline import JitProgram, Plan, Step, analyse, on_device, plan_for, run_sharded
 from ..core.retry import run_growing
-from ..so.so import check_densities, resolve_radius, search_width, so_on_decomposition
+from ..so._search import search_width, so_on_decomposition
+from ..so.so import check_densities, resolve_radius
 from ..core.status import Limit, is_traced, spell_config
 from .. import units
 

@@ -15,7 +15,7 @@ of ``pm_nc`` cells per side (unwrapped), and the momentum in the same units
 paint_absolute_pos=True)`` with ``lpt(cosmo, field, particles)`` and ``y0 = [particles + dx,
 p]``, on one device and with ``pm_nc == nc`` only (its ``cic_paint``/``cic_read`` reshape
 the particles to the mesh shape, and its absolute painting is wrong on a device mesh);
-``jaxpm_halos.demo.run_simulation(pm_nc=...)`` makes such states with a finer mesh,
+``jaxpm_halos.simulation.run_simulation(pm_nc=...)`` makes such states with a finer mesh,
 also distributed. See :func:`check_state_positions`.
 """
 
