@@ -14,17 +14,18 @@ behind kNN's cost (see RESULTS.md, "Why in situ at 64^3 is missed").
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxpm_halos import KNNConfig  # noqa: E402
 from jaxpm_halos.core.cells import MORTON_BITS  # noqa: E402
 from jaxpm_halos.knn._search import _NODES, uniform_knn_radius  # noqa: E402
-from snapshots import jaxpm_snapshot  # noqa: E402
+from jaxpm_halos.testing.snapshots import jaxpm_snapshot  # noqa: E402
 
 MESH = (2, 4)
 

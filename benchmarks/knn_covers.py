@@ -23,15 +23,16 @@ about 920 candidate slots per query, shared by a batch of 16.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 
 import numpy as np
 from scipy.spatial import cKDTree
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from snapshots import jaxpm_snapshot  # noqa: E402
+from jaxpm_halos.testing.snapshots import jaxpm_snapshot  # noqa: E402
 
 BITS = 10  # Morton bits per axis of the model's key (the cells of the finest level)
 SHIFT_FRACTIONS = (0.0, 1 / 3, 2 / 3)

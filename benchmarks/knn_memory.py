@@ -13,18 +13,18 @@ plain ``jax.jit`` (XLA's defaults).
 from __future__ import annotations
 
 import argparse
+import os
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
+from jaxpm_halos.testing.snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
 import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxpm_halos  # noqa: E402
-from conftest import make_mesh  # noqa: E402
+from jaxpm_halos.testing import make_mesh  # noqa: E402
 from jaxpm_halos.core.pipeline import JitProgram  # noqa: E402
 
 

@@ -11,14 +11,15 @@ and checks that the densities agree.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
+from jaxpm_halos.testing.snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402

@@ -43,17 +43,16 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
-from scipy.sparse import coo_matrix  # noqa: E402
-from scipy.sparse.csgraph import connected_components  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
 
 import jaxpm_halos as jh  # noqa: E402
+from jaxpm_halos.testing.reference import fof_components as scipy_fof  # noqa: E402
+from jaxpm_halos.testing.reference import smallest_member_labels as canonical  # noqa: E402
 
 B = 0.2
 MIN_MEMBERS = 20
@@ -84,7 +83,7 @@ def data(nc, kind, mesh):
     """Positions as jaxpm_halos input (sharded over ``mesh`` or not) and as numpy."""
     box = float(nc)
     if kind == "jaxpm":
-        from snapshots import jaxpm_snapshot
+        from jaxpm_halos.testing.snapshots import jaxpm_snapshot
 
         snap = jaxpm_snapshot(nc, box, 20)
         disp = snap.disp if mesh is None else jax.device_put(snap.disp, NamedSharding(mesh, P("x", "y")))
@@ -101,21 +100,6 @@ def uniform_points(nc):
     pos = np.random.default_rng(nc).uniform(0, box, (nc ** 3, 3)).astype(np.float32)
     # float32 rounding can give exactly L, which cKDTree(boxsize=L) rejects.
     return np.where(pos >= box, np.float32(0), pos)
-
-
-def scipy_fof(pos, box, l):
-    pairs = cKDTree(pos, boxsize=box).query_pairs(l, output_type="ndarray")
-    n = len(pos)
-    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
-    return connected_components(graph, directed=False)[1]
-
-
-def canonical(labels):
-    """Relabel components by their smallest member index."""
-    n = len(labels)
-    smallest = np.full(labels.max() + 1, n)
-    np.minimum.at(smallest, labels, np.arange(n))
-    return smallest[labels]
 
 
 def min_time(fn, repeats=REPEATS):
@@ -166,7 +150,7 @@ def pm_and_insitu(nc, rows):
     """One PM force evaluation vs in-situ FoF + kNN density (k=16), at nc^3 on (2, 4)."""
     import jax_cosmo as jc
     from jaxpm.pm import make_diffrax_ode
-    from snapshots import jaxpm_snapshot
+    from jaxpm_halos.testing.snapshots import jaxpm_snapshot
 
     mesh = mesh_of((2, 4))
     snap = jaxpm_snapshot(nc, float(nc), 20)

@@ -6,9 +6,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
+
+from jaxpm_halos.testing import make_mesh  # noqa: E402, F401 (the tests import it from here)
 
 MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]
 
@@ -44,10 +44,6 @@ def requires(*modules):
 requires_jaxpm = requires(*JAXPM_STACK)
 
 
-def make_mesh(shape, names=("x", "y")):
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     # A whole suite of compiled programs in one process otherwise passes the kernel's
@@ -72,7 +68,7 @@ def jaxpm_snapshot_32():
     Computed once per session and cached on disk (see tests/snapshots.py). Without the JaxPM
     stack it is only loaded from that cache, and the tests using it are skipped if absent.
     """
-    from snapshots import cache_path, jaxpm_snapshot
+    from jaxpm_halos.testing.snapshots import cache_path, jaxpm_snapshot
 
     absent = missing(*JAXPM_STACK)
     if absent and not cache_path(32, 32.0, 10, 0, (2, 4)).exists():

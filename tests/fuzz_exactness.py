@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxpm_halos as jh  # noqa: E402
-import reference as ref  # noqa: E402
+from jaxpm_halos.testing import reference as ref  # noqa: E402
 from conftest import MESH_SHAPES, make_mesh  # noqa: E402
 from test_knn import _check_exact  # noqa: E402
 

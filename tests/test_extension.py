@@ -269,7 +269,7 @@ def test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force(insitu_run):
     """Inside diffeqsolve's SaveAt: the density peaks and SO masses and radii (thresholds
     at each snapshot's a) equal fof(so=..., centre="peak") run afterwards on the saved
     state, and a float64 brute force to within one particle."""
-    from reference import so_reference
+    from jaxpm_halos.testing.reference import so_reference
     from test_so import KNIFE, _check as check_so
 
     out, insitu, m_p = insitu_run["out"], insitu_run["insitu"], insitu_run["mass"]

@@ -12,7 +12,7 @@ from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
 from jaxpm_halos.core.geometry import periodic_distance2
-import reference as ref
+from jaxpm_halos.testing import reference as ref
 from conftest import make_mesh
 
 BOX = 16.0

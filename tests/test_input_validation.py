@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
-import reference as ref
+from jaxpm_halos.testing import reference as ref
 from jaxpm_halos.core.geometry import wrap
 
 BOX = 100.0

@@ -87,7 +87,7 @@ def _free_port():
 @pytest.mark.newest
 def test_two_processes_equal_one(tmp_path, jaxpm_snapshot_32):
     snap = jaxpm_snapshot_32
-    from snapshots import cache_path
+    from jaxpm_halos.testing.snapshots import cache_path
 
     npz = cache_path(snap.nc, snap.box_size, snap.steps, snap.seed, (2, 4))
     assert npz.exists()

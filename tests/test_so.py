@@ -13,7 +13,7 @@ from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
 from conftest import make_mesh, requires
-from reference import so_reference
+from jaxpm_halos.testing.reference import so_reference
 from jaxpm_halos import units
 
 BOX = 16.0

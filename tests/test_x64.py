@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from scipy.spatial import cKDTree
     import jaxpm_halos as jh
-    from reference import fof_labels, so_reference, unambiguous_linking_length
+    from jaxpm_halos.testing.reference import fof_labels, so_reference, unambiguous_linking_length
 
     box, k = 8.0, 6
     rng = np.random.default_rng(3)

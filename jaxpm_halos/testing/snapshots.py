@@ -11,8 +11,8 @@ repository (git-ignored).
 
 Command line (e.g. for the benchmark snapshots)::
 
-    python tests/snapshots.py --nc 64 --box 64 --steps 20
-    python tests/snapshots.py --nc 128 --box 128 --steps 20
+    python -m jaxpm_halos.testing.snapshots --nc 64 --box 64 --steps 20
+    python -m jaxpm_halos.testing.snapshots --nc 128 --box 128 --steps 20
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-import conftest  # noqa: F401  (sets XLA_FLAGS for 8 host devices before jax starts)
 import jax
 import numpy as np
-from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from . import make_mesh
+
 CACHE_VERSION = 1  # bump when the simulation recipe changes
-DEFAULT_CACHE = Path(__file__).resolve().parent.parent / "benchmarks" / "cache"
+DEFAULT_CACHE = Path(__file__).resolve().parents[2] / "benchmarks" / "cache"
 
 
 @dataclasses.dataclass
@@ -143,4 +143,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from ..simulation import use_host_devices
+
+    use_host_devices()  # the snapshots' (2, 4) mesh of host CPU devices
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
     sys.exit(main())

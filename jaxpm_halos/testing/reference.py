@@ -6,17 +6,30 @@ from scipy.sparse.csgraph import connected_components
 from scipy.spatial import cKDTree
 
 
+def fof_components(pos, box, linking_length):
+    """Serial FoF's connected components (scipy's numbering): cKDTree pairs within the
+    linking length, periodic in ``box``, then connected components. ``pos`` must lie in
+    [0, box). The call the benchmarks time."""
+    pairs = cKDTree(pos, boxsize=box).query_pairs(linking_length, output_type="ndarray")
+    n = len(pos)
+    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
+    return connected_components(graph, directed=False)[1]
+
+
+def smallest_member_labels(components):
+    """Relabel components by their smallest member index, as jaxpm_halos labels groups."""
+    n = len(components)
+    smallest = np.full(components.max() + 1, n)
+    np.minimum.at(smallest, components, np.arange(n))
+    return smallest[components]
+
+
 def fof_labels(pos, box, linking_length):
-    """Serial FoF: cKDTree pairs + connected components; label = smallest index in group."""
+    """Serial FoF labels of any positions (wrapped into the box in float64): the smallest
+    index in each group."""
     pos = np.mod(np.asarray(pos, np.float64), box)
     pos[pos >= box] -= box
-    n = len(pos)
-    pairs = cKDTree(pos, boxsize=box).query_pairs(linking_length, output_type="ndarray")
-    graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
-    _, comp = connected_components(graph, directed=False)
-    smallest = np.full(comp.max() + 1, n)
-    np.minimum.at(smallest, comp, np.arange(n))
-    return smallest[comp]
+    return smallest_member_labels(fof_components(pos, box, linking_length))
 
 
 def unambiguous_linking_length(pos, box, linking_length, margin=2e-5):
