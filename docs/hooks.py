@@ -269,3 +269,17 @@ def on_page_markdown(markdown, page, config, files):
                           lambda m: f"::: {_api_path(m.group(1), definitions)}",
                           markdown, flags=re.M)
     return markdown
+
+
+_ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|obj|exc|const):<code>(~?)([^<]*)</code>")
+
+
+def _strip_role(match):
+    short, target = match.groups()
+    return f"<code>{target.rsplit('.', 1)[-1] if short else target}</code>"
+
+
+def on_page_content(html, page, config, files):
+    """The docstrings cross-reference in Sphinx's roles (:func:`name`); mkdocstrings
+    leaves the role as text, so show the name alone, as code."""
+    return _ROLE.sub(_strip_role, html)
