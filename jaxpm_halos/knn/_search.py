@@ -111,6 +111,10 @@ def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total:
     chunk = _chunk_for_backend(config.chunk_size, kk)
     gap = _GAP * uniform_knn_radius(k, total, box)
     lists = group * config.batch_size  # per step
+    if config.search == "tree" and not _tree_available():
+        raise ValueError("KNNConfig(search='tree'): the host tree needs pykdtree or scipy and "
+                         "jax's internal callback emitter (jax._src.callback), not found; "
+                         "search='auto' or 'scan' uses the scan")
     tree = config.search == "tree" or (config.search == "auto" and cpu and _tree_available())
     return SearchSettings(k, kk, 1 if kth_only else k, self_mode, config.batch_size,
                           max(1, config.batch_size // _LEAST_SHARE) if cpu else 1, group,
