@@ -306,6 +306,26 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
       ``jit``, read ``catalogue.status``
       (it covers every buffer the result depends on), or thread a runtime check with
       ``labels = catalogue.status.error_if(labels, config)``.
+
+    Example:
+        Two clumps of 25 particles among 462 uniform ones in a 10 Mpc/h box, sharded over
+        a ``(2, 4)`` mesh (on a CPU, give Python 8 devices first with
+        ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
+
+        >>> import jax, numpy as np
+        >>> import jaxpm_halos
+        >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+        >>> rng = np.random.default_rng(0)
+        >>> clumps = [c + 0.05 * rng.standard_normal((25, 3)) for c in (2.0, 6.0)]
+        >>> pos = np.concatenate(clumps + [rng.uniform(0, 10, (462, 3))]).astype(np.float32)
+        >>> pos = jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
+        >>> labels, catalogue = jaxpm_halos.fof(pos, box_size=10.0, linking_length=0.2)
+        >>> int(labels[0]), int(labels[30]), int(labels[100])  # group ids: smallest member
+        (0, 25, 100)
+        >>> halos = catalogue.to_numpy()  # the valid rows, sorted by id
+        >>> halos["count"].tolist(), halos["pos"].round(1).tolist()
+        ([25, 25], [[2.0, 2.0, 2.0], [6.0, 6.0, 6.0]])
     """
     _refuse_nested_domains(config)
     problem, args, in_specs = prepare(pos, box_size, vel, mass, mesh)

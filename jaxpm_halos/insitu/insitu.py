@@ -83,6 +83,25 @@ class InSitu:
     A state whose mode or ``pm_nc`` is wrong raises ValueError when it is concrete (the
     mean-position test of :func:`jaxpm_halos.insitu.jaxpm.check_state_positions`); inside
     ``jit`` it cannot be checked.
+
+    Example:
+        The analyses on one JaxPM state ``(displacements, momenta)`` of 16^3 particles in
+        a 32 Mpc/h box, sharded as JaxPM shards it (in a run, pass
+        ``saveat=insitu.saveat(ts=[0.5, 1.0])`` to ``diffrax.diffeqsolve`` instead)::
+
+        >>> import jax, numpy as np
+        >>> import jaxpm_halos
+        >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+        >>> y = np.zeros((2, 16, 16, 16, 3), np.float32)  # particles on their lattice points
+        >>> y = jax.device_put(y, NamedSharding(mesh, P(None, "x", "y")))
+        >>> insitu = jaxpm_halos.InSitu(box_size=32.0, analyses=("fof", "knn_density"), k=8)
+        >>> out = insitu(y, a=1.0)
+        >>> jaxpm_halos.check_insitu(out)  # raises if any buffer overflowed
+        >>> sorted(out), out["knn_density"]["density"].shape  # densities in the state's layout
+        (['a', 'domain', 'fof', 'knn_density'], (16, 16, 16))
+        >>> len(out["fof"]["catalogue"].to_numpy()["id"])  # a uniform lattice has no haloes
+        0
     """
 
     box_size: float

@@ -363,6 +363,21 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
     (the status fails). Where k particles coincide (``r_k = 0``) the density is inf, or 0
     when the k - 1 nearest are massless. Other arguments and the rows left NaN inside
     ``jit`` as :func:`knn`.
+
+    Example:
+        Unit masses spread uniformly over a 10 Mpc/h box, sharded over a ``(2, 4)`` mesh::
+
+        >>> import jax, numpy as np
+        >>> import jaxpm_halos
+        >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+        >>> pos = np.random.default_rng(1).uniform(0, 10, (4096, 3)).astype(np.float32)
+        >>> pos = jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
+        >>> rho = jaxpm_halos.knn_density(pos, box_size=10.0, k=16)
+        >>> rho.shape, rho.sharding.spec  # one value per particle, sharded like pos
+        ((4096,), PartitionSpec(('x', 'y'),))
+        >>> print(f"median {float(np.median(rho)):.2f}, mean density {4096 / 10**3:.2f}")
+        median 3.90, mean density 4.10
     """
     return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
                 with_status, grow)

@@ -152,6 +152,24 @@ def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, me
       :class:`~jaxpm_halos.InvalidInputError`).
       Not differentiable: membership of a sphere is a discrete choice (gradients are
       zero with respect to positions, masses, ``density`` and ``centres``).
+
+    Example:
+        M200 about the centre of a clump of 50 unit masses, among 462 uniform ones in a
+        10 Mpc/h box::
+
+        >>> import jax, numpy as np
+        >>> import jaxpm_halos
+        >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+        >>> rng = np.random.default_rng(0)
+        >>> clump = 5.0 + 0.1 * rng.standard_normal((50, 3))
+        >>> pos = np.concatenate([clump, rng.uniform(0, 10, (462, 3))]).astype(np.float32)
+        >>> pos = jax.device_put(pos, NamedSharding(mesh, P(("x", "y"))))
+        >>> mean_density = 512 / 10.0**3
+        >>> radius, mass = jaxpm_halos.spherical_overdensity(
+        ...     pos, np.array([[5.0, 5.0, 5.0]]), box_size=10.0, density=200 * mean_density)
+        >>> print(f"R200 = {float(radius[0]):.2f} Mpc/h, M200 = {float(mass[0]):g} particles")
+        R200 = 0.49 Mpc/h, M200 = 50 particles
     """
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     config = SOConfig() if config is None else config
