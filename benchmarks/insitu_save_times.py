@@ -1,6 +1,6 @@
 """Cost of the in-situ analyses inside diffeqsolve against the number of save times.
 
-The README's in-situ recipe (64^3 in 128 Mpc/h, 2LPT to a = 0.1, LeapfrogMidpoint, mesh
+The in-situ recipe of docs/insitu.md (64^3 in 128 Mpc/h, 2LPT to a = 0.1, LeapfrogMidpoint, mesh
 (2, 4)) with ``insitu.saveat(ts)``, against the same solve saving only the states at ``ts``
 (``diffrax.SaveAt(ts=ts)``), both from the same 2LPT state (a PM step is the latter's time
 over its steps, as in ``run.py``), and the analyses alone on the final state. Issue #19: with one
@@ -45,7 +45,7 @@ def _sharding(mesh):
 
 
 def initial_state(nc, box, sharding, seed):
-    """The README's initial conditions: 2LPT displacements and momenta at a = 0.1."""
+    """The recipe's initial conditions: 2LPT displacements and momenta at a = 0.1."""
     k = jnp.logspace(-4, 1, 128)
     pk = jc.power.linear_matter_power(_cosmology(), k)
     field = linear_field((nc,) * 3, [box] * 3,
@@ -56,7 +56,7 @@ def initial_state(nc, box, sharding, seed):
 
 
 def solve(nc, steps, sharding, saveat, y0):
-    """The README's diffeqsolve from ``y0`` with ``saveat``: ``(ys, ok)``."""
+    """The recipe's diffeqsolve from ``y0`` with ``saveat``: ``(ys, ok)``."""
     ode = diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False,
                                            halo_size=16, sharding=sharding))
     sol = diffrax.diffeqsolve(
@@ -68,7 +68,7 @@ def solve(nc, steps, sharding, saveat, y0):
 
 
 def recipe(nc, steps, mesh, saveat):
-    """The README's ``simulate`` from its 2LPT state ``y0`` with another ``saveat``,
+    """The recipe's ``simulate`` from its 2LPT state ``y0`` with another ``saveat``,
     jitted (``mesh`` None: one device, no sharding). The initial conditions are left
     out, so the solve's time over its steps is a PM step (as in ``run.py``)."""
     sharding = _sharding(mesh)

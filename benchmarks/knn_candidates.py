@@ -6,7 +6,7 @@ for random batches of ``batch_size`` consecutive queries it counts the rows in t
 batch's search box (bounding box grown by the estimated k-th neighbour distance), in the
 cover by at most 64 octree nodes the code scans, and in the covers one and two levels
 finer. Batch breaks at gaps are ignored. No timing: it explains the candidate volume
-behind kNN's cost (see RESULTS.md, "Why in situ at 64^3 is missed").
+behind kNN's cost (docs/design.md).
 
     python benchmarks/knn_candidates.py [--nc 64] [--k 16] [--batches 300]
 """

@@ -14,7 +14,7 @@ a grid's frame is uncertified in that grid (it would need the periodic images).
 2. **Per-query covers.** The rows in the cells of side at least ``f r_k`` covering the
    query's box, and how many cells that takes, for a sample of queries.
 
-Compare with the first pass of ``knn_density`` (``knn_candidates.py`` and RESULTS.md):
+Compare with the first pass of ``knn_density`` (``knn_candidates.py``):
 about 920 candidate slots per query, shared by a batch of 16.
 
     python benchmarks/knn_covers.py [--nc 64] [--k 16] [--sample 3000]

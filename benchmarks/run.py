@@ -17,7 +17,7 @@ size) it times, after a warm-up, the minimum of several runs of:
 * spherical-overdensity masses (200 times the mean density, about every FoF halo's
   centre of mass) against cKDTree.query_ball_point plus a sort per centre, at 64^3 and
   128^3, and the in-situ cost of adding SO (200c, 200m, vir about the density peak);
-* the README's in-situ recipe (64^3, 128 Mpc/h, 10 LeapfrogMidpoint steps, mesh (2, 4))
+* the in-situ recipe of docs/insitu.md (64^3, 128 Mpc/h, 10 LeapfrogMidpoint steps, mesh (2, 4))
   with 1, 2 and 5 save times through ``InSitu.saveat``: the extra time per snapshot in PM
   steps of that solve, and the XLA temporaries of its compiled solve with and without the
   analyses, on one device and on (2, 4);
@@ -58,7 +58,7 @@ B = 0.2
 MIN_MEMBERS = 20
 REPEATS = 3
 KNN_KS = (8, 16, 32)
-# The README's in-situ recipe (issue #19): 64^3 in 128 Mpc/h, 10 LeapfrogMidpoint steps.
+# The in-situ recipe of docs/insitu.md (issue #19): 64^3 in 128 Mpc/h, 10 LeapfrogMidpoint steps.
 RECIPE = dict(nc=64, box=128.0, steps=10)
 RECIPE_SAVES = ((1.0,), (0.5, 1.0), (0.2, 0.4, 0.6, 0.8, 1.0))
 
@@ -71,7 +71,7 @@ def timed(fn, repeats=REPEATS):
     """(first call seconds, min warm seconds, result).
 
     The compiled programs are dropped afterwards: every one keeps its JIT code mapped, and a
-    full run would otherwise pass the kernel's ``vm.max_map_count`` (see README)."""
+    full run would otherwise pass the kernel's ``vm.max_map_count`` (docs/capacities.md)."""
     from insitu_save_times import min_time
 
     result, first, best = min_time(fn, repeats)
@@ -177,7 +177,7 @@ def pm_and_insitu(nc, rows):
 
 
 def insitu_in_solve(rows):
-    """The README's recipe through ``InSitu.saveat`` with 1, 2 and 5 save times on (2, 4):
+    """The in-situ recipe through ``InSitu.saveat`` with 1, 2 and 5 save times on (2, 4):
     its diffeqsolve from the 2LPT state, with the analyses against the same solve saving
     only the states. The extra time per snapshot is compared with one PM step of that
     solve (its time without the analyses over its steps; LeapfrogMidpoint takes one force
@@ -491,7 +491,7 @@ def report(rows, memory, solve_mem, path):
     if solve_mem:
         n = RECIPE["nc"] ** 3
         lines += ["", "## The recipe's solve: XLA temporaries", "",
-                  f"The README's recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps), its "
+                  f"The in-situ recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps), its "
                   "diffeqsolve alone compiled from a given state with one save time, with "
                   "`InSitu.saveat` (FoF + kNN density k=16) and with `SaveAt(ts=...)`; per "
                   "device times the devices.", "",

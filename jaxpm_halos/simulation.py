@@ -27,7 +27,7 @@ from .pm import default_halo_size, refined_pm_ode
 HOST_DEVICES = 8
 
 
-PM_FACTOR = 2  # the demo's default --pm-factor (README: Demo)
+PM_FACTOR = 2  # the demo's default --pm-factor (docs/so.md: the finer PM grid)
 
 
 def use_host_devices(n: int = HOST_DEVICES) -> None:

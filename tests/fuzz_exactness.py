@@ -174,7 +174,7 @@ def main(argv=None):
                 failures += 1
                 print(f"seed {seed}, {where}: {type(error).__name__}: {error}", flush=True)
         if seed % 4 == 3:
-            jh.clear_caches()  # see README: compiled programs hold memory maps
+            jh.clear_caches()  # compiled programs hold memory maps (docs/capacities.md)
         print(f"seed {seed}: {len(np.unique(want))} groups, {time.time() - start:.0f} s",
               flush=True)
     print(f"{failures} failures" + ("" if args.paste else f", {grown} calls grew buffers"))

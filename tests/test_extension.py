@@ -137,7 +137,7 @@ OMEGA_C, SIGMA8 = 0.25, 0.8
 
 def simulate(insitu, mesh, nc, box, steps, ts, seed=0, amplitude=1.0, adjoint=None):
     """JaxPM from a = 0.1 (2LPT) to 1 in ``steps`` LeapfrogMidpoint steps, with
-    ``insitu.saveat(ts)`` as diffeqsolve's SaveAt: the README recipe. ``amplitude`` scales
+    ``insitu.saveat(ts)`` as diffeqsolve's SaveAt: the in-situ recipe (docs/insitu.md). ``amplitude`` scales
     the linear field. Returns the saved outputs and whether the solve succeeded."""
     import diffrax
     import jax_cosmo as jc
@@ -316,7 +316,7 @@ def test_derivative_through_the_solve_is_the_chain_rule():
     FoF centres must be the chain rule applied by hand to the final state's own tangent:
     through each particle's k-th neighbour distance (neighbours held fixed), and through the
     mean displacement of each halo's members. (Reverse mode through a distributed JaxPM
-    step is wrong upstream: see the README, *Gradients*.)"""
+    step is wrong upstream: see docs/gradients.md.)"""
     import diffrax
 
     nc, box, steps, k = 16, 32.0, 3, 8

@@ -454,7 +454,7 @@ def test_labels_match_scipy_at_tiny_linking_length(shape, case):
 
 # Two pairs of a 256^3 JaxPM z = 0 snapshot (box 256 Mpc/h, l = 0.2 Mpc/h), found on a GPU
 # run whose labels differed from scipy's for one particle of 16.7M when FoF decided every
-# pair in float32 (benchmarks/RESULTS.md, 2026-12-04): in float64 they lie 1.8e-8 and
+# pair in float32 (found on the H200's 256^3 snapshot): in float64 they lie 1.8e-8 and
 # 1.9e-8 (relative) beyond l, and their float32 squared distance rounds to float32(l^2).
 KNIFE_EDGE_PAIRS = np.array([[101.22163391113281, 65.6764907836914, 172.69638061523438],
                              [101.14173889160156, 65.52056121826172, 172.79283142089844],
@@ -487,7 +487,7 @@ def _pairs_at_the_linking_length(box, link, pairs, seed=0):
 
 def test_labels_match_scipy_for_pairs_within_float32_rounding_of_the_linking_length(mesh):
     """Pairs whose float32 squared distance cannot tell them from l are decided exactly, as
-    scipy decides them in float64 (README, Friends): without that, some of these link
+    scipy decides them in float64 (docs/design.md, *Exactness*): without that, some of these link
     where scipy's do not, or the reverse. The same on every test mesh and one device."""
     box, link = 256.0, 0.2
     pos = _pairs_at_the_linking_length(box, link, 400)

@@ -114,8 +114,8 @@ def periodic_distance2(a, b, box_size):
 
     Every program computes the same bits for a pair, whichever fusions and contractions
     its compiler chooses (:func:`squared_norm`): kNN's, FoF's and SO's bitwise identity
-    across meshes and between in-situ and offline calls rests on this (benchmarks/RESULTS.md,
-    2026-12-04).
+    across meshes and between in-situ and offline calls rests on this (docs/design.md,
+    *Exactness*).
     """
     d = periodic_delta(a, b, box_size)
     return squared_norm(d[..., 0], d[..., 1], d[..., 2])

@@ -31,7 +31,7 @@ KINDS = ("particle", "device", "replicated")
 
 # XLA:CPU's default scheduler starts independent work early, for concurrency, and so keeps
 # more buffers live at once. Its memory-minimising scheduler runs these programs as fast,
-# bit for bit, with far fewer temporaries (``benchmarks/RESULTS.md``).
+# bit for bit, with far fewer temporaries (docs/performance.md has the measured figures).
 _CPU_OPTIONS = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
 
 
@@ -55,7 +55,7 @@ def compiler_options():
     On CPU it selects XLA's memory-minimising scheduler, as this library's own calls do
     outside ``jit``: XLA:CPU's default scheduler starts independent work early, for
     concurrency, and so keeps more buffers live at once. The results are the same bits
-    (``benchmarks/RESULTS.md`` has the measured temporaries and times). Elsewhere, and with
+    (the docs' Performance page has the measured temporaries). Elsewhere, and with
     a jaxlib that does not know the option, it returns None: JAX's defaults.
     """
     options = _compiler_options(jax.default_backend())

@@ -72,12 +72,12 @@ int32 = jnp.int32
 _PLAN_BATCHES = 64  # most batches per planning step (on accelerators: 4x _ACCELERATOR)
 _GAP = 3.0  # a batch ends at a gap of this many uniform k-th neighbour distances
 _AGAIN_BATCH = 4  # queries per batch when searched again (they are scattered)
-# On CPU the lists a scan step changes are merged an eighth of a group at a time (measured
-# in benchmarks/RESULTS.md). Accelerators merge every list at each step, as before: the
+# On CPU the lists a scan step changes are merged an eighth of a group at a time (the
+# fastest share measured on 2 cores). Accelerators merge every list at each step, as before: the
 # cond and the loop would add host round trips per step there, and are unmeasured.
 _MERGE_SHARE = 8
 # On CPU the first pass leaves batches of fewer than batch_size / 4 queries (scattered
-# queries, in voids) to the later passes' smaller batches (measured in benchmarks/RESULTS.md;
+# queries, in voids) to the later passes' smaller batches (measured on 2 cores;
 # unmeasured on accelerators, which keep every batch in the first pass).
 _LEAST_SHARE = 4
 # A GPU pays a fixed cost per loop step (kernel launches and a device-to-host read of the

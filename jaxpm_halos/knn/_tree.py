@@ -2,7 +2,7 @@
 
 XLA:CPU has no cheap per-query selection (``lax.top_k`` costs about a microsecond per row
 whatever its width, and its gathers ~7 ns per element), so the batched scan of
-:mod:`._scan` does several times the work of a tree walk (benchmarks/RESULTS.md). On
+:mod:`._scan` does several times the work of a tree walk (measured on 2 cores). On
 the CPU the device buffers are host memory, so each device hands its index to a k-d tree
 (``pykdtree``, else ``scipy.spatial.cKDTree``; both release the GIL, so the device
 programs run their calls side by side) and takes back, for each query, its list and
@@ -42,7 +42,7 @@ _QUERY_BLOCK = 16384  # queries per tree query on the host (bounds its float64 o
 # would finish alone on one core.
 _WORKERS = -1
 # Rows per tree leaf: 24 in place of the libraries' 16 takes 3-5% off the builds and
-# queries of k = 8, 16 and 32 (benchmarks/RESULTS.md); it cannot change a list (the float64
+# queries of k = 8, 16 and 32 (replayed calls at 64^3); it cannot change a list (the float64
 # distances are the same, and near ties are never certified).
 _LEAF_SIZE = 24
 
@@ -61,7 +61,7 @@ def _usable(module: str, oldest: tuple[int, ...] = ()) -> bool:
 
 
 # The tree library: pykdtree's builds and queries take a third less CPU time than
-# cKDTree's (benchmarks/RESULTS.md), with the same float64 distances; before 1.4.1 it
+# cKDTree's (replayed calls at 64^3), with the same float64 distances; before 1.4.1 it
 # returned wrong distances on very large trees. None: neither library.
 _BACKEND = ("pykdtree" if _usable("pykdtree.kdtree", (1, 4, 1))
             else "scipy" if _usable("scipy.spatial") else None)
