@@ -43,10 +43,8 @@ sys.path.insert(0, str(HERE))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from run import MIN_MEMBERS, B, canonical, min_time, scipy_fof, timed, uniform_points  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
-
-from run import (B, MIN_MEMBERS, canonical, min_time, scipy_fof, timed,  # noqa: E402
-                 uniform_points)
 
 import jaxpm_halos as jh  # noqa: E402
 
@@ -71,8 +69,9 @@ def jztree_config(name, nodes):
     import jztree
 
     cfg = getattr(jztree.config, name)()
-    return dataclasses.replace(cfg, tree=dataclasses.replace(
-        cfg.tree, alloc_fac_nodes=cfg.tree.alloc_fac_nodes * nodes))
+    return dataclasses.replace(
+        cfg, tree=dataclasses.replace(cfg.tree, alloc_fac_nodes=cfg.tree.alloc_fac_nodes * nodes)
+    )
 
 
 def jztree_timed(make):
@@ -93,15 +92,19 @@ def jztree_fof(pos, box, l):
     import jztree
 
     assert jztree.config.FofConfig().catalogue.npart_min == MIN_MEMBERS
-    return lambda nodes: lambda: jztree.fof.fof_and_catalogue.jit(
-        pos, rlink=l, boxsize=box, cfg=jztree_config("FofConfig", nodes))
+    return lambda nodes: (
+        lambda: jztree.fof.fof_and_catalogue.jit(
+            pos, rlink=l, boxsize=box, cfg=jztree_config("FofConfig", nodes)
+        )
+    )
 
 
 def jztree_fof_labels(pos, box, l, nodes):
     import jztree
 
-    _, igroup = jztree.fof.fof_labels.jit(pos, rlink=l, boxsize=box, output_order="input",
-                                          cfg=jztree_config("FofConfig", nodes))
+    _, igroup = jztree.fof.fof_labels.jit(
+        pos, rlink=l, boxsize=box, output_order="input", cfg=jztree_config("FofConfig", nodes)
+    )
     return canonical(np.asarray(igroup))
 
 
@@ -110,8 +113,9 @@ def jztree_knn(pos, box, k):
 
     def radii(nodes):
         def run():
-            out = jztree.knn.knn.jit(pos, k=k, boxsize=box, result="rad",
-                                     cfg=jztree_config("KNNConfig", nodes))
+            out = jztree.knn.knn.jit(
+                pos, k=k, boxsize=box, result="rad", cfg=jztree_config("KNNConfig", nodes)
+            )
             return out[0] if isinstance(out, (tuple, list)) else out
 
         return run
@@ -121,7 +125,7 @@ def jztree_knn(pos, box, k):
 
 def bench(nc, kind, y, rows, check_scipy, profile_dir, with_knn=True):
     box = float(nc)
-    n = nc ** 3
+    n = nc**3
     if kind == "jaxpm":
         parts = jh.from_jaxpm(y[0], None, box)
         x, fof_args, knn_args = parts, (), ()
@@ -137,8 +141,9 @@ def bench(nc, kind, y, rows, check_scipy, profile_dir, with_knn=True):
     labels = np.asarray(labels).reshape(-1)
     row.update(fof_first=first, fof=warm, halos=int(np.sum(np.asarray(cat.num))))
     jz_first, jz_warm, (_, jz_cat), nodes = jztree_timed(jztree_fof(pos_gpu, box, l))
-    row.update(jz_fof_first=jz_first, jz_fof=jz_warm, jz_halos=int(jz_cat.ngroups),
-               jz_fof_nodes=nodes)
+    row.update(
+        jz_fof_first=jz_first, jz_fof=jz_warm, jz_halos=int(jz_cat.ngroups), jz_fof_nodes=nodes
+    )
     jz_labels = jztree_fof_labels(pos_gpu, box, l, nodes)
     if check_scipy:
         t, ref = min_time(lambda: canonical(scipy_fof(pos, box, l)), repeats=1)
@@ -162,23 +167,32 @@ def bench(nc, kind, y, rows, check_scipy, profile_dir, with_knn=True):
     t = time.perf_counter()
     r_ref = cKDTree(pos, boxsize=box).query(pos, k=K + 1, workers=-1)[0][:, K]
     row["ckdtree_knn"] = time.perf_counter() - t
-    rho_ref = (K - 1) / (4 / 3 * np.pi * r_ref ** 3)
+    rho_ref = (K - 1) / (4 / 3 * np.pi * r_ref**3)
     row["knn_max_rel_err"] = float(np.max(np.abs(rho / rho_ref - 1)))
     row["jz_knn_max_rel_err"] = float(np.max(np.abs(jz_r / r_ref - 1)))
 
     if profile_dir is not None:
         fof = jax.jit(lambda x: jh.fof(x, *fof_args, b=B, min_members=MIN_MEMBERS))
         knn = jax.jit(lambda x: jh.knn_density(x, *knn_args, k=K))
-        row["profile"] = {name: top_kernels(fn, (x,), profile_dir / f"{nc}_{kind}_{name}")
-                          for name, fn in (("fof", fof), ("knn", knn))}
+        row["profile"] = {
+            name: top_kernels(fn, (x,), profile_dir / f"{nc}_{kind}_{name}")
+            for name, fn in (("fof", fof), ("knn", knn))
+        }
         jh.clear_caches()
     rows.append(row)
     print(json.dumps(row), flush=True)
 
 
 # (group_size, batch_size, chunk_size) of KNNConfig tried by --knn-sweep; None = default.
-SWEEP = ((None, 16, 256), (256, 16, 256), (4096, 16, 256), (1024, 8, 256), (1024, 32, 256),
-         (1024, 16, 128), (1024, 16, 512))
+SWEEP = (
+    (None, 16, 256),
+    (256, 16, 256),
+    (4096, 16, 256),
+    (1024, 8, 256),
+    (1024, 32, 256),
+    (1024, 16, 128),
+    (1024, 16, 512),
+)
 
 
 def knn_sweep(nc, y, rows):
@@ -191,9 +205,18 @@ def knn_sweep(nc, y, rows):
         first, warm, rho = timed(lambda: jh.knn_density(parts, k=K, config=config))
         rho = np.asarray(rho)
         reference = rho if reference is None else reference
-        rows.append(dict(size=nc, kind="knn sweep", group_size=group, batch_size=batch,
-                         chunk_size=chunk, knn_first=first, knn=warm,
-                         same_as_default=bool(np.array_equal(rho, reference))))
+        rows.append(
+            dict(
+                size=nc,
+                kind="knn sweep",
+                group_size=group,
+                batch_size=batch,
+                chunk_size=chunk,
+                knn_first=first,
+                knn=warm,
+                same_as_default=bool(np.array_equal(rho, reference)),
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
 
 
@@ -208,8 +231,9 @@ def pm_and_insitu(nc, y, rows):
     insitu = jh.InSitu(box_size=float(nc), analyses=("fof", "knn_density"), k=K)
     first, warm, out = timed(lambda: insitu(y, 1.0))
     jh.check_insitu(out)
-    rows.append(dict(size=nc, kind="in situ", n=nc ** 3, pm_step=t_pm, insitu=warm,
-                     insitu_first=first))
+    rows.append(
+        dict(size=nc, kind="in situ", n=nc**3, pm_step=t_pm, insitu=warm, insitu_first=first)
+    )
     print(json.dumps(rows[-1]), flush=True)
 
 
@@ -231,9 +255,12 @@ def top_kernels(fn, args, log_dir, top=6):
     total = sum(kernels.values())
     hlo = fn.lower(*args).compile().as_text()
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
-    return dict(gpu_ms=total / 1e6, kernels=[(name[:80], round(ns / max(total, 1), 3),
-                                              hlo_source(hlo, name))
-                                             for name, ns in ranked])
+    return dict(
+        gpu_ms=total / 1e6,
+        kernels=[
+            (name[:80], round(ns / max(total, 1), 3), hlo_source(hlo, name)) for name, ns in ranked
+        ],
+    )
 
 
 def hlo_source(hlo, kernel):
@@ -247,47 +274,74 @@ def hlo_source(hlo, kernel):
             if match:
                 meta = re.search(r'op_name="([^"]*)".*?source_line=(\d+)', match.group(0))
                 file = re.search(r'source_file="([^"]*)"', match.group(0))
-                where = (f"{meta.group(1)} ({Path(file.group(1)).name}:{meta.group(2)})"
-                         if meta and file else "")
+                where = (
+                    f"{meta.group(1)} ({Path(file.group(1)).name}:{meta.group(2)})"
+                    if meta and file
+                    else ""
+                )
                 return f"{candidate} {where}".strip()
     return ""
 
 
 def table(rows):
-    lines = ["| N | data | FoF jaxpm_halos (s) | FoF jz-tree (s) | ratio | kNN k=16 jaxpm_halos (s) "
-             "| kNN jz-tree (s) | ratio | jaxpm_halos FoF / kNN (Mpart/s) | jz-tree FoF / kNN "
-             "(Mpart/s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| N | data | FoF jaxpm_halos (s) | FoF jz-tree (s) | ratio | kNN k=16 jaxpm_halos (s) "
+        "| kNN jz-tree (s) | ratio | jaxpm_halos FoF / kNN (Mpart/s) | jz-tree FoF / kNN "
+        "(Mpart/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["kind"] not in ("jaxpm", "uniform") or "knn" not in r:
             continue
         m = r["n"] / 1e6
-        lines.append(f"| {r['size']}^3 | {r['kind']} | {r['fof']:.4f} | {r['jz_fof']:.4f} | "
-                     f"{r['fof'] / r['jz_fof']:.2f} | {r['knn']:.4f} | {r['jz_knn']:.4f} | "
-                     f"{r['knn'] / r['jz_knn']:.2f} | {m / r['fof']:.3g} / {m / r['knn']:.3g} | "
-                     f"{m / r['jz_fof']:.3g} / {m / r['jz_knn']:.3g} |")
+        lines.append(
+            f"| {r['size']}^3 | {r['kind']} | {r['fof']:.4f} | {r['jz_fof']:.4f} | "
+            f"{r['fof'] / r['jz_fof']:.2f} | {r['knn']:.4f} | {r['jz_knn']:.4f} | "
+            f"{r['knn'] / r['jz_knn']:.2f} | {m / r['fof']:.3g} / {m / r['knn']:.3g} | "
+            f"{m / r['jz_fof']:.3g} / {m / r['jz_knn']:.3g} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--scipy-up-to", type=int, default=256,
-                        help="check against scipy up to this size (beyond: jz-tree vs ours)")
+    parser.add_argument(
+        "--scipy-up-to",
+        type=int,
+        default=256,
+        help="check against scipy up to this size (beyond: jz-tree vs ours)",
+    )
     parser.add_argument("--profile", default=None, help="folder for the profile traces")
-    parser.add_argument("--fof-only", action="store_true",
-                        help="FoF on the JaxPM snapshots only (for sizes whose kNN check is long)")
-    parser.add_argument("--knn-sweep", type=int, default=None, metavar="NC",
-                        help="also time kNN density with the settings of SWEEP at this size")
+    parser.add_argument(
+        "--fof-only",
+        action="store_true",
+        help="FoF on the JaxPM snapshots only (for sizes whose kNN check is long)",
+    )
+    parser.add_argument(
+        "--knn-sweep",
+        type=int,
+        default=None,
+        metavar="NC",
+        help="also time kNN density with the settings of SWEEP at this size",
+    )
     parser.add_argument("--out", default=str(HERE / "gpu_results.json"))
     args = parser.parse_args(argv)
     print(jax.devices(), jax.__version__, flush=True)
     rows = []
     for nc in args.sizes:
         y = snapshot(nc)
-        profile = (Path(args.profile) if args.profile and nc == max(args.sizes) else None)
+        profile = Path(args.profile) if args.profile and nc == max(args.sizes) else None
         for kind in ("jaxpm",) if args.fof_only else ("jaxpm", "uniform"):
-            bench(nc, kind, y, rows, nc <= args.scipy_up_to, profile if kind == "jaxpm" else None,
-                  with_knn=not args.fof_only)
+            bench(
+                nc,
+                kind,
+                y,
+                rows,
+                nc <= args.scipy_up_to,
+                profile if kind == "jaxpm" else None,
+                with_knn=not args.fof_only,
+            )
             Path(args.out).write_text(json.dumps(rows, indent=1))
         if not args.fof_only:
             pm_and_insitu(nc, y, rows)

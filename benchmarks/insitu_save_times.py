@@ -21,7 +21,8 @@ import diffrax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax_cosmo as jc  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 from jaxpm.kernels import interpolate_power_spectrum  # noqa: E402
 from jaxpm.pm import linear_field, lpt, make_diffrax_ode  # noqa: E402
 
@@ -35,9 +36,15 @@ def _cosmology():
 def analyses(box, search="auto"):
     """The analyses the recipe runs in situ: FoF (b = 0.2, 20 members) and kNN density
     (k = 16), in the recipe's cosmology; ``search`` is kNN's (``KNNConfig.search``)."""
-    return jaxpm_halos.InSitu(box_size=box, analyses=("fof", "knn_density"), b=0.2,
-                              min_members=20, k=16, omega_m=0.25 + 0.0486,
-                              knn=jaxpm_halos.KNNConfig(search=search))
+    return jaxpm_halos.InSitu(
+        box_size=box,
+        analyses=("fof", "knn_density"),
+        b=0.2,
+        min_members=20,
+        k=16,
+        omega_m=0.25 + 0.0486,
+        knn=jaxpm_halos.KNNConfig(search=search),
+    )
 
 
 def _sharding(mesh):
@@ -48,22 +55,35 @@ def initial_state(nc, box, sharding, seed):
     """The recipe's initial conditions: 2LPT displacements and momenta at a = 0.1."""
     k = jnp.logspace(-4, 1, 128)
     pk = jc.power.linear_matter_power(_cosmology(), k)
-    field = linear_field((nc,) * 3, [box] * 3,
-                         lambda x: interpolate_power_spectrum(x, k, pk, sharding),
-                         seed=jax.random.PRNGKey(seed), sharding=sharding)
+    field = linear_field(
+        (nc,) * 3,
+        [box] * 3,
+        lambda x: interpolate_power_spectrum(x, k, pk, sharding),
+        seed=jax.random.PRNGKey(seed),
+        sharding=sharding,
+    )
     dx, p, _ = lpt(_cosmology(), field, a=0.1, order=2, halo_size=16, sharding=sharding)
     return jnp.stack([dx, p])
 
 
 def solve(nc, steps, sharding, saveat, y0):
     """The recipe's diffeqsolve from ``y0`` with ``saveat``: ``(ys, ok)``."""
-    ode = diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False,
-                                           halo_size=16, sharding=sharding))
+    ode = diffrax.ODETerm(
+        make_diffrax_ode((nc,) * 3, paint_absolute_pos=False, halo_size=16, sharding=sharding)
+    )
     sol = diffrax.diffeqsolve(
-        ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=y0,
-        args=_cosmology(), saveat=saveat,
+        ode,
+        diffrax.LeapfrogMidpoint(),
+        t0=0.1,
+        t1=1.0,
+        dt0=None,
+        y0=y0,
+        args=_cosmology(),
+        saveat=saveat,
         stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
-        max_steps=steps, throw=False)
+        max_steps=steps,
+        throw=False,
+    )
     return sol.ys, sol.result == diffrax.RESULTS.successful
 
 
@@ -111,8 +131,10 @@ def main():
     warnings.filterwarnings("ignore", "invalid value encountered in cast")
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
     insitu = analyses(args.box, args.search)
-    print(f"{args.nc}^3, {args.box:g} Mpc/h, {args.steps} steps, mesh (2, 4); "
-          f"min of {args.repeats}", flush=True)
+    print(
+        f"{args.nc}^3, {args.box:g} Mpc/h, {args.steps} steps, mesh (2, 4); min of {args.repeats}",
+        flush=True,
+    )
     y0 = jax.jit(lambda: initial_state(args.nc, args.box, _sharding(mesh), 0))()
     final = None
     for spec in args.ts:
@@ -125,9 +147,12 @@ def main():
         assert bool(ok)
         jaxpm_halos.check_insitu(out, insitu)
         extra = (t_on - t_off) / len(ts)
-        print(f"ts={ts}: solve {t_on:.2f} s with the analyses, {t_off:.2f} s without; "
-              f"extra {extra:.2f} s per snapshot = {extra / (t_off / args.steps):.1f} PM "
-              f"steps (first call {first:.0f} s)", flush=True)
+        print(
+            f"ts={ts}: solve {t_on:.2f} s with the analyses, {t_off:.2f} s without; "
+            f"extra {extra:.2f} s per snapshot = {extra / (t_off / args.steps):.1f} PM "
+            f"steps (first call {first:.0f} s)",
+            flush=True,
+        )
     _, _, alone = min_time(lambda: insitu(final, 1.0), args.repeats)
     print(f"the analyses alone on the final state: {alone:.2f} s", flush=True)
 

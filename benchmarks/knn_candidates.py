@@ -46,8 +46,7 @@ def device_rows(pos, box, width):
     rows = np.concatenate([p[np.all((p >= lo) & (p < hi), 1)] for p in (pos + s for s in shifts)])
     side = (box + 2 * width) * (1 + 1e-5)
     local = rows - lo
-    cells = np.clip(np.floor(local / (side / 2 ** MORTON_BITS)).astype(int), 0,
-                    2 ** MORTON_BITS - 1)
+    cells = np.clip(np.floor(local / (side / 2**MORTON_BITS)).astype(int), 0, 2**MORTON_BITS - 1)
     local = local[np.argsort(morton(cells), kind="stable")]
     owned = np.all((local >= width) & (local < width + pencil), 1)
     return local, np.flatnonzero(owned), side
@@ -57,7 +56,7 @@ def cover_rows(local, lo, hi, side, finer):
     """Rows in the cover of [lo, hi] by the finest level of at most _NODES nodes, made
     ``finer`` levels finer; and its node count."""
     for level in range(MORTON_BITS, -1, -1):
-        span = np.floor(hi / (side / 2 ** level)) - np.floor(lo / (side / 2 ** level)) + 1
+        span = np.floor(hi / (side / 2**level)) - np.floor(lo / (side / 2**level)) + 1
         if np.prod(span) <= _NODES:
             break
     node = side / 2 ** min(level + finer, MORTON_BITS)
@@ -78,18 +77,19 @@ def main(argv=None):
     snap = jaxpm_snapshot(nc, box, args.steps)
     lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1)
     pos = np.mod((lattice + snap.disp) * (box / nc), box).reshape(-1, 3)
-    width = min(config.ghost_factor * uniform_knn_radius(k, nc ** 3, box), box / MESH[1])
+    width = min(config.ghost_factor * uniform_knn_radius(k, nc**3, box), box / MESH[1])
     local, owned, side = device_rows(pos, box, width)
     batch = config.batch_size
     rng = np.random.default_rng(0)
     counts = []
     for b in rng.choice(len(owned) // batch, args.batches, replace=False):
-        rows = owned[b * batch:(b + 1) * batch]
+        rows = owned[b * batch : (b + 1) * batch]
         q = local[rows]
         qmin, qmax = q.min(0), q.max(0)
         extent = np.maximum(qmax - qmin, np.max(qmax - qmin) / 4)
-        rho = config.radius_factor * (3 * k * np.prod(extent)
-                                      / (4 * np.pi * (rows[-1] - rows[0] + 1))) ** (1 / 3)
+        rho = config.radius_factor * (
+            3 * k * np.prod(extent) / (4 * np.pi * (rows[-1] - rows[0] + 1))
+        ) ** (1 / 3)
         lo, hi = np.clip(qmin - rho, 0, side), np.clip(qmax + rho, 0, side)
         exact = np.all((local >= lo) & (local <= hi), 1).sum()
         counts.append([exact, *(x for f in range(3) for x in cover_rows(local, lo, hi, side, f))])

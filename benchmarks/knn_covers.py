@@ -48,7 +48,7 @@ def morton(cells):
 
 
 def sorted_keys(pos, box):
-    cells = np.clip(np.floor(pos / box * 2 ** BITS).astype(np.int64), 0, 2 ** BITS - 1)
+    cells = np.clip(np.floor(pos / box * 2**BITS).astype(np.int64), 0, 2**BITS - 1)
     key = morton(cells)
     order = np.argsort(key, kind="stable")
     rank = np.empty(len(pos), np.int64)
@@ -65,14 +65,13 @@ def window_needed(pos, r_k, box):
     2 r_k covering its box; a huge number where the box crosses the boundary."""
     keys, rank = sorted_keys(pos, box)
     level = np.clip(np.floor(np.log2(box / (2 * r_k))).astype(np.int64), 0, BITS)
-    side = box / 2.0 ** level
+    side = box / 2.0**level
     shift = 3 * (BITS - level)
     first = np.full(len(pos), np.iinfo(np.int64).max)
     last = np.zeros(len(pos), np.int64)
     for corner in range(8):
         sign = np.array([(corner >> d) & 1 for d in range(3)], bool)
-        point = np.clip(np.where(sign, pos + r_k[:, None], pos - r_k[:, None]), 0,
-                        box * (1 - 1e-7))
+        point = np.clip(np.where(sign, pos + r_k[:, None], pos - r_k[:, None]), 0, box * (1 - 1e-7))
         prefix = morton(np.floor(point / side[:, None]).astype(np.int64))
         first = np.minimum(first, np.searchsorted(keys, prefix << shift))
         last = np.maximum(last, np.searchsorted(keys, (prefix + 1) << shift))
@@ -83,13 +82,15 @@ def window_needed(pos, r_k, box):
 def cover(keys, q, r, box, factor):
     """Rows and cells of the cover of ``[q - r, q + r]`` by cells of side >= factor r."""
     level = int(np.clip(np.floor(np.log2(box / (factor * r))), 0, BITS))
-    side = box / 2 ** level
+    side = box / 2**level
     lo, hi = np.floor((q - r) / side).astype(int), np.floor((q + r) / side).astype(int)
-    cells = np.stack(np.meshgrid(*[np.arange(lo[d], hi[d] + 1) for d in range(3)],
-                                 indexing="ij"), -1).reshape(-1, 3)
+    cells = np.stack(
+        np.meshgrid(*[np.arange(lo[d], hi[d] + 1) for d in range(3)], indexing="ij"), -1
+    ).reshape(-1, 3)
     prefix = morton(cells) << (3 * (BITS - level))
     rows = np.searchsorted(keys, prefix + (1 << (3 * (BITS - level)))) - np.searchsorted(
-        keys, prefix)
+        keys, prefix
+    )
     return rows.sum(), len(cells)
 
 
@@ -105,8 +106,10 @@ def main(argv=None):
     lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1)
     pos = np.mod((lattice + snap.disp) * (box / nc), box).reshape(-1, 3)
     r_k = cKDTree(pos, boxsize=box).query(pos, k=k + 1, workers=-1)[0][:, k]
-    print(f"{nc}^3 JaxPM snapshot, k = {k}; queries whose box stays inside: "
-          f"{np.mean(inside_box(pos, r_k, box)):.3f}")
+    print(
+        f"{nc}^3 JaxPM snapshot, k = {k}; queries whose box stays inside: "
+        f"{np.mean(inside_box(pos, r_k, box)):.3f}"
+    )
 
     rng = np.random.default_rng(0)
     shifts = [np.full(3, f * box) for f in SHIFT_FRACTIONS] + [rng.uniform(0, box, 3)]
@@ -123,8 +126,10 @@ def main(argv=None):
     print(f"2. per-query covers of the box ({args.sample} queries)")
     for factor in (2, 1, 0.5, 0.25):
         rows, cells = np.array([cover(keys, pos[i], r_k[i], box, factor) for i in pick]).T
-        print(f"   cells of side >= {factor:g} r_k: rows median {np.median(rows):.0f}, "
-              f"mean {np.mean(rows):.0f}; cells per query median {np.median(cells):.0f}")
+        print(
+            f"   cells of side >= {factor:g} r_k: rows median {np.median(rows):.0f}, "
+            f"mean {np.mean(rows):.0f}; cells per query median {np.median(cells):.0f}"
+        )
     return 0
 
 

@@ -19,13 +19,14 @@ import re
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxpm_halos.testing.snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
 import jax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import jaxpm_halos  # noqa: E402
-from jaxpm_halos.testing import make_mesh  # noqa: E402
 from jaxpm_halos.core.pipeline import JitProgram  # noqa: E402
+from jaxpm_halos.testing import make_mesh  # noqa: E402
+from jaxpm_halos.testing.snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
 
 
 def main(argv=None):
@@ -35,14 +36,17 @@ def main(argv=None):
     parser.add_argument("--what", nargs="+", default=["density", "neighbours"])
     parser.add_argument("--top", type=int, default=0)
     parser.add_argument("--search", default="auto", help="KNNConfig.search: auto, tree or scan")
-    parser.add_argument("--abstract", action="store_true",
-                        help="no snapshot: compile from_jaxpm + the call on an abstract "
-                             "displacement grid (shapes are all the compiled program needs)")
+    parser.add_argument(
+        "--abstract",
+        action="store_true",
+        help="no snapshot: compile from_jaxpm + the call on an abstract "
+        "displacement grid (shapes are all the compiled program needs)",
+    )
     args = parser.parse_args(argv)
     mesh = make_mesh((2, 4))
     sharding = NamedSharding(mesh, P("x", "y"))
     box = float(args.nc)
-    n = args.nc ** 3
+    n = args.nc**3
     if args.abstract:
         x = jax.ShapeDtypeStruct((args.nc,) * 3 + (3,), jax.numpy.float32, sharding=sharding)
         prep = lambda d: jaxpm_halos.from_jaxpm(d, box_size=box)
@@ -50,17 +54,21 @@ def main(argv=None):
         _, x = snapshot_particles(args.nc, box, 20)
         prep = lambda p: p
     config = jaxpm_halos.KNNConfig(search=args.search)
-    fns = {"density": lambda p: jaxpm_halos.knn_density(prep(p), k=args.k, config=config),
-           "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k, config=config)}
+    fns = {
+        "density": lambda p: jaxpm_halos.knn_density(prep(p), k=args.k, config=config),
+        "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k, config=config),
+    }
     for what in args.what:
         plain = jax.jit(fns[what]).lower(x).compile().memory_analysis().temp_size_in_bytes
         compiled = JitProgram(fns[what]).lower(x).compile()
         stats = compiled.memory_analysis()
         temp = stats.temp_size_in_bytes * len(jax.devices())
-        print(f"{args.nc}^3 k={args.k} {what}: XLA temp {temp / n:.0f} B/particle "
-              f"({stats.temp_size_in_bytes / 2**20:.1f} MiB per device) as the call compiles "
-              f"it; {plain * len(jax.devices()) / n:.0f} B/particle in a plain jax.jit",
-              flush=True)
+        print(
+            f"{args.nc}^3 k={args.k} {what}: XLA temp {temp / n:.0f} B/particle "
+            f"({stats.temp_size_in_bytes / 2**20:.1f} MiB per device) as the call compiles "
+            f"it; {plain * len(jax.devices()) / n:.0f} B/particle in a plain jax.jit",
+            flush=True,
+        )
         if args.top:
             text = compiled.as_text()
             sizes = []
@@ -71,7 +79,7 @@ def main(argv=None):
                     size *= d
                 sizes.append((size, m.group(1), m.group(2), m.group(3)))
             seen = set()
-            for size, dt, dims, name in sorted(sizes, reverse=True):
+            for _size, dt, dims, name in sorted(sizes, reverse=True):
                 if (dt, dims) in seen:
                     continue
                 seen.add((dt, dims))

@@ -11,20 +11,20 @@ and checks that the densities agree.
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxpm_halos.testing.snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
 
 import jaxpm_halos  # noqa: E402
+from jaxpm_halos.testing.snapshots import snapshot_particles  # noqa: E402 (first: it sets up 8 host devices)
 
 
 def main(argv=None):
@@ -61,14 +61,23 @@ def main(argv=None):
         dist, _ = cKDTree(pos, boxsize=box).query(pos, k=k + 1, workers=-1)
         ref.append(time.perf_counter() - t)
     rk = dist[:, k]
-    rho_ref = (k - 1) / (4 / 3 * np.pi * rk ** 3)
+    rho_ref = (k - 1) / (4 / 3 * np.pi * rk**3)
     rel = np.max(np.abs(np.asarray(rho, np.float64).reshape(-1) / rho_ref - 1))
 
-    figures = dict(nc=args.nc, box=box, k=k, mesh=list(shape), devices=len(jax.devices()),
-                   first_call_s=round(first, 3), warm_s=round(min(warm), 3),
-                   warm_median_s=round(float(np.median(warm)), 3),
-                   ckdtree_s=round(min(ref), 3), ckdtree_median_s=round(float(np.median(ref)), 3),
-                   ratio=round(min(warm) / min(ref), 3), max_rel_diff=float(rel))
+    figures = dict(
+        nc=args.nc,
+        box=box,
+        k=k,
+        mesh=list(shape),
+        devices=len(jax.devices()),
+        first_call_s=round(first, 3),
+        warm_s=round(min(warm), 3),
+        warm_median_s=round(float(np.median(warm)), 3),
+        ckdtree_s=round(min(ref), 3),
+        ckdtree_median_s=round(float(np.median(ref)), 3),
+        ratio=round(min(warm) / min(ref), 3),
+        max_rel_diff=float(rel),
+    )
     print(json.dumps(figures))
     if args.json:
         with open(args.json, "a") as f:

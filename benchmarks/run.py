@@ -47,7 +47,8 @@ HERE = Path(__file__).resolve().parent
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
 
 import jaxpm_halos as jh  # noqa: E402
@@ -86,7 +87,11 @@ def data(nc, kind, mesh):
         from jaxpm_halos.testing.snapshots import jaxpm_snapshot
 
         snap = jaxpm_snapshot(nc, box, 20)
-        disp = snap.disp if mesh is None else jax.device_put(snap.disp, NamedSharding(mesh, P("x", "y")))
+        disp = (
+            snap.disp
+            if mesh is None
+            else jax.device_put(snap.disp, NamedSharding(mesh, P("x", "y")))
+        )
         parts = jh.from_jaxpm(disp, None, box)
         return parts, np.asarray(parts.pos).reshape(-1, 3), box
     pos = uniform_points(nc)
@@ -97,7 +102,7 @@ def data(nc, kind, mesh):
 def uniform_points(nc):
     """nc^3 uniform float32 points in a box of side nc, the same for a given nc."""
     box = float(nc)
-    pos = np.random.default_rng(nc).uniform(0, box, (nc ** 3, 3)).astype(np.float32)
+    pos = np.random.default_rng(nc).uniform(0, box, (nc**3, 3)).astype(np.float32)
     # float32 rounding can give exactly L, which cKDTree(boxsize=L) rejects.
     return np.where(pos >= box, np.float32(0), pos)
 
@@ -119,30 +124,61 @@ def bench_size(nc, kind, rows):
     l = B * box / nc
     t_scipy, ref = min_time(lambda: canonical(scipy_fof(pos, box, l)))
     import kdcount.cluster as kc
-    t_kd, kd = min_time(lambda: kc.fof(kc.dataset(pos.astype(np.float64), boxsize=box), l, np=0).labels)
+
+    t_kd, kd = min_time(
+        lambda: kc.fof(kc.dataset(pos.astype(np.float64), boxsize=box), l, np=0).labels
+    )
     if not np.array_equal(canonical(kd), ref):
         raise AssertionError("kdcount and scipy disagree")
     for label, x in (("8 dev (2,4)", x8), ("1 dev", x1)):
-        first, warm, (labels, cat) = timed(lambda: jh.fof(x, b=B, min_members=MIN_MEMBERS)
-                                           if kind == "jaxpm" else
-                                           jh.fof(x, box, b=B, min_members=MIN_MEMBERS))
+        first, warm, (labels, cat) = timed(
+            lambda: (
+                jh.fof(x, b=B, min_members=MIN_MEMBERS)
+                if kind == "jaxpm"
+                else jh.fof(x, box, b=B, min_members=MIN_MEMBERS)
+            )
+        )
         if not np.array_equal(np.asarray(labels).reshape(-1), ref):
             raise AssertionError(f"FoF labels differ from scipy at {nc}^3 {kind} {label}")
-        rows.append(dict(size=nc, kind=kind, what="fof", where=label, n=n, first=first,
-                         warm=warm, ref="scipy", ref_time=t_scipy, kdcount=t_kd,
-                         halos=int(np.sum(np.asarray(cat.num)))))
+        rows.append(
+            dict(
+                size=nc,
+                kind=kind,
+                what="fof",
+                where=label,
+                n=n,
+                first=first,
+                warm=warm,
+                ref="scipy",
+                ref_time=t_scipy,
+                kdcount=t_kd,
+                halos=int(np.sum(np.asarray(cat.num))),
+            )
+        )
         print(rows[-1], flush=True)
     for k in KNN_KS:
         t_ref, (d, _) = min_time(lambda: cKDTree(pos, boxsize=box).query(pos, k=k + 1, workers=-1))
         r_ref = d[:, k]
-        rho_ref = (k - 1) / (4 / 3 * np.pi * r_ref ** 3)
-        first, warm, rho = timed(lambda: jh.knn_density(x8, box, k) if kind != "jaxpm"
-                                 else jh.knn_density(x8, k=k))
+        rho_ref = (k - 1) / (4 / 3 * np.pi * r_ref**3)
+        first, warm, rho = timed(
+            lambda: jh.knn_density(x8, box, k) if kind != "jaxpm" else jh.knn_density(x8, k=k)
+        )
         rho = np.asarray(rho).reshape(-1)
         if not np.allclose(rho, rho_ref, rtol=2e-5):
             raise AssertionError(f"kNN density differs from cKDTree at {nc}^3 {kind} k={k}")
-        rows.append(dict(size=nc, kind=kind, what=f"knn_density k={k}", where="8 dev (2,4)",
-                         n=n, first=first, warm=warm, ref="cKDTree", ref_time=t_ref))
+        rows.append(
+            dict(
+                size=nc,
+                kind=kind,
+                what=f"knn_density k={k}",
+                where="8 dev (2,4)",
+                n=n,
+                first=first,
+                warm=warm,
+                ref="cKDTree",
+                ref_time=t_ref,
+            )
+        )
         print(rows[-1], flush=True)
 
 
@@ -150,29 +186,57 @@ def pm_and_insitu(nc, rows):
     """One PM force evaluation vs in-situ FoF + kNN density (k=16), at nc^3 on (2, 4)."""
     import jax_cosmo as jc
     from jaxpm.pm import make_diffrax_ode
+
     from jaxpm_halos.testing.snapshots import jaxpm_snapshot
 
     mesh = mesh_of((2, 4))
     snap = jaxpm_snapshot(nc, float(nc), 20)
     sharding = NamedSharding(mesh, P("x", "y"))
     y = jnp.stack([jax.device_put(snap.disp, sharding), jax.device_put(snap.mom, sharding)])
-    ode = make_diffrax_ode((nc,) * 3, paint_absolute_pos=False, halo_size=min(nc // 4, 24),
-                           sharding=sharding)
+    ode = make_diffrax_ode(
+        (nc,) * 3, paint_absolute_pos=False, halo_size=min(nc // 4, 24), sharding=sharding
+    )
     cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
     step = jax.jit(lambda y: ode(1.0, y, cosmo))
     _, t_pm, _ = timed(lambda: step(y))
     insitu = jh.InSitu(box_size=float(nc), analyses=("fof", "knn_density"), k=16)
     first, warm, _ = timed(lambda: insitu(y, 1.0))
-    rows.append(dict(size=nc, kind="jaxpm", what="in-situ fof+knn_density k=16",
-                     where="8 dev (2,4)", n=nc ** 3, first=first, warm=warm, ref="PM step",
-                     ref_time=t_pm))
+    rows.append(
+        dict(
+            size=nc,
+            kind="jaxpm",
+            what="in-situ fof+knn_density k=16",
+            where="8 dev (2,4)",
+            n=nc**3,
+            first=first,
+            warm=warm,
+            ref="PM step",
+            ref_time=t_pm,
+        )
+    )
     print(rows[-1], flush=True)
-    so = jh.InSitu(box_size=float(nc), analyses=("fof", "knn_density"), k=16, omega_m=0.3,
-                   so=("200c", "200m", "vir"), centre="peak")
+    so = jh.InSitu(
+        box_size=float(nc),
+        analyses=("fof", "knn_density"),
+        k=16,
+        omega_m=0.3,
+        so=("200c", "200m", "vir"),
+        centre="peak",
+    )
     first, warm, _ = timed(lambda: so(y, 1.0))
-    rows.append(dict(size=nc, kind="jaxpm", what="in-situ fof+knn_density+so (peak)",
-                     where="8 dev (2,4)", n=nc ** 3, first=first, warm=warm, ref="PM step",
-                     ref_time=t_pm))
+    rows.append(
+        dict(
+            size=nc,
+            kind="jaxpm",
+            what="in-situ fof+knn_density+so (peak)",
+            where="8 dev (2,4)",
+            n=nc**3,
+            first=first,
+            warm=warm,
+            ref="PM step",
+            ref_time=t_pm,
+        )
+    )
     print(rows[-1], flush=True)
 
 
@@ -199,11 +263,20 @@ def insitu_in_solve(rows):
             raise AssertionError(f"the recipe's solve failed with ts={ts}")
         jh.check_insitu(out, insitu)
         extra = (t_on - t_off) / len(ts)
-        rows.append(dict(size=nc, kind="jaxpm", where="8 dev (2,4)", n=nc ** 3,
-                         what=f"in-situ saveat fof+knn_density k=16, per snapshot of {len(ts)}",
-                         first=first - t_on + extra, warm=extra,
-                         ref=f"PM step (solve / {steps})", ref_time=t_off / steps,
-                         solve_first=(first_off, first)))  # without, with the analyses
+        rows.append(
+            dict(
+                size=nc,
+                kind="jaxpm",
+                where="8 dev (2,4)",
+                n=nc**3,
+                what=f"in-situ saveat fof+knn_density k=16, per snapshot of {len(ts)}",
+                first=first - t_on + extra,
+                warm=extra,
+                ref=f"PM step (solve / {steps})",
+                ref_time=t_off / steps,
+                solve_first=(first_off, first),
+            )
+        )  # without, with the analyses
         print(rows[-1], flush=True)
 
 
@@ -217,8 +290,10 @@ def solve_memory():
     insitu = analyses(RECIPE["box"])
     out = {}
     for where, mesh in (("1 dev", None), ("8 dev (2,4)", mesh_of((2, 4)))):
-        out[where] = (solve_temporaries(nc, steps, mesh, diffrax.SaveAt(ts=jnp.asarray([1.0]))),
-                      solve_temporaries(nc, steps, mesh, insitu.saveat([1.0], t0=0.1, t1=1.0)))
+        out[where] = (
+            solve_temporaries(nc, steps, mesh, diffrax.SaveAt(ts=jnp.asarray([1.0]))),
+            solve_temporaries(nc, steps, mesh, insitu.saveat([1.0], t0=0.1, t1=1.0)),
+        )
         jh.clear_caches()
         print("solve temporaries", where, out[where], flush=True)
     return out
@@ -229,12 +304,13 @@ def scipy_so(pos, box, centres, density, radius):
     and a sort per centre: the serial reference."""
     tree = cKDTree(pos, boxsize=box)
     masses = np.zeros(len(centres))
-    for h, (centre, near) in enumerate(zip(centres, tree.query_ball_point(centres, radius,
-                                                                          workers=-1))):
+    for h, (centre, near) in enumerate(
+        zip(centres, tree.query_ball_point(centres, radius, workers=-1))
+    ):
         d = pos[near] - centre
         d -= box * np.round(d / box)
         r = np.sort(np.sqrt(np.sum(d * d, 1)))
-        below = np.arange(1, len(r) + 1) < density * 4 / 3 * np.pi * r ** 3
+        below = np.arange(1, len(r) + 1) < density * 4 / 3 * np.pi * r**3
         first = int(np.argmax(below)) if below.any() else len(r)
         masses[h] = first
     return masses
@@ -250,13 +326,26 @@ def bench_so(nc, rows):
     centres = cat.to_numpy()["pos"]
     radius = 4.0  # the default search radius: 4 mean separations
     t_ref, ref = min_time(lambda: scipy_so(pos.astype(np.float64), box, centres, 200.0, radius))
-    first, warm, (_, mass) = timed(lambda: jh.spherical_overdensity(
-        x8, centres, density=200.0, config=jh.SOConfig(radius=radius)))
+    first, warm, (_, mass) = timed(
+        lambda: jh.spherical_overdensity(
+            x8, centres, density=200.0, config=jh.SOConfig(radius=radius)
+        )
+    )
     if np.max(np.abs(np.asarray(mass) - ref)) > 1:
         raise AssertionError(f"SO masses differ from the scipy reference at {nc}^3")
-    rows.append(dict(size=nc, kind="jaxpm", what=f"so 200m ({len(centres)} centres)",
-                     where="8 dev (2,4)", n=nc ** 3, first=first, warm=warm, ref="cKDTree+sort",
-                     ref_time=t_ref))
+    rows.append(
+        dict(
+            size=nc,
+            kind="jaxpm",
+            what=f"so 200m ({len(centres)} centres)",
+            where="8 dev (2,4)",
+            n=nc**3,
+            first=first,
+            warm=warm,
+            ref="cKDTree+sort",
+            ref_time=t_ref,
+        )
+    )
     print(rows[-1], flush=True)
 
 
@@ -316,8 +405,9 @@ def temporaries(jitted):
 print('RSS', first, warm, temporaries(jax.jit(fn_of)), temporaries(JitProgram(fn_of)))
 """
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=1800, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, env=env
+    )
     line = [l for l in out.stdout.splitlines() if l.startswith("RSS")]
     if not line:
         raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
@@ -326,9 +416,11 @@ print('RSS', first, warm, temporaries(jax.jit(fn_of)), temporaries(JitProgram(fn
 
 def commit():
     """The commit measured, ``-dirty`` when files other than this run's outputs differ."""
+
     def git(*args):
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
 
     try:
         # Pathspecs are relative to HERE, the folder of the outputs.
@@ -348,8 +440,10 @@ def machine():
                 break
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__}, "
-            f"{len(jax.devices())} {jax.devices()[0].platform} devices")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__}, "
+        f"{len(jax.devices())} {jax.devices()[0].platform} devices"
+    )
 
 
 # What the issues ask of the figures. FoF against scipy on 8 devices: (size, ratio limit).
@@ -373,9 +467,16 @@ def _verdict(ok):
 def target_rows(rows, memory, solve_mem):
     """The targets table of this run: (target, measured, status) per target, with
     "not measured" where this run has no figure for it."""
+
     def find(size, what, kind="jaxpm", where="8 dev (2,4)"):
-        return next((r for r in rows if (r["size"], r["kind"], r["what"], r["where"])
-                     == (size, kind, what, where)), None)
+        return next(
+            (
+                r
+                for r in rows
+                if (r["size"], r["kind"], r["what"], r["where"]) == (size, kind, what, where)
+            ),
+            None,
+        )
 
     def ratio(r):
         return r["warm"] / r["ref_time"]
@@ -384,50 +485,99 @@ def target_rows(rows, memory, solve_mem):
         """found: (label, figure, detail) triples."""
         if not found:
             return target, "not measured", "-"
-        figures = "; ".join(f"{label}: {fig:.{digits}f}{unit} ({detail})"
-                            for label, fig, detail in found)
+        figures = "; ".join(
+            f"{label}: {fig:.{digits}f}{unit} ({detail})" for label, fig, detail in found
+        )
         return target, figures, _verdict(max(fig for _, fig, _ in found) <= limit)
 
     out = []
     for size, limit in FOF_LIMITS:
-        found = [(kind, ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
-                 for kind in ("jaxpm", "uniform") if (r := find(size, "fof", kind))]
+        found = [
+            (kind, ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
+            for kind in ("jaxpm", "uniform")
+            if (r := find(size, "fof", kind))
+        ]
         out.append(row(f"FoF {size}^3, 8 devices: <= {limit:g}x scipy", found, limit))
     for k, limit in KNN_LIMITS.items():
-        found = [(f"{size}^3", ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
-                 for size in KNN_SIZES if (r := find(size, f"knn_density k={k}"))]
-        out.append(row(f"kNN density k={k}, JaxPM snapshots, 8 devices: <= {limit:g}x cKDTree",
-                       found, limit))
+        found = [
+            (f"{size}^3", ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
+            for size in KNN_SIZES
+            if (r := find(size, f"knn_density k={k}"))
+        ]
+        out.append(
+            row(
+                f"kNN density k={k}, JaxPM snapshots, 8 devices: <= {limit:g}x cKDTree",
+                found,
+                limit,
+            )
+        )
     compile_rows = [r for r in rows if "saveat" not in r["what"]]
     if compile_rows:
         worst = max(compile_rows, key=lambda r: r["first"] - r["warm"])
-        out.append((f"compile <= {COMPILE_LIMIT:g} s per function",
-                    f"at most {worst['first'] - worst['warm']:.1f} s ({worst['what']}, "
-                    f"{worst['size']}^3, {worst['where']})",
-                    _verdict(worst["first"] - worst["warm"] <= COMPILE_LIMIT)))
+        out.append(
+            (
+                f"compile <= {COMPILE_LIMIT:g} s per function",
+                f"at most {worst['first'] - worst['warm']:.1f} s ({worst['what']}, "
+                f"{worst['size']}^3, {worst['where']})",
+                _verdict(worst["first"] - worst["warm"] <= COMPILE_LIMIT),
+            )
+        )
     else:
         out.append((f"compile <= {COMPILE_LIMIT:g} s per function", "not measured", "-"))
     for what, limit in MEMORY_LIMITS.items():
-        found = [(f"{nc}^3", warm / nc ** 3, "warm RSS")
-                 for (nc, w), (_, warm, *_) in sorted(memory.items()) if w == what]
+        found = [
+            (f"{nc}^3", warm / nc**3, "warm RSS")
+            for (nc, w), (_, warm, *_) in sorted(memory.items())
+            if w == what
+        ]
         out.append(row(f"warm peak memory of {what} <= {limit} B/particle", found, limit, " B", 0))
-    found = [(f"{nc}^3", own / nc ** 3, f"XLA temp; {temp / nc ** 3:.0f} B in a plain jit")
-             for (nc, w), (_, _, temp, own) in sorted(memory.items())
-             if w == "knn_density k=16" and nc in KNN_SIZES]
-    out.append(row(f"XLA temporaries of knn_density k=16 <= {KNN_TEMP_LIMIT} B/particle",
-                   found, KNN_TEMP_LIMIT, " B", 0))
-    found = [(f"{len(ts)} snapshot(s)", ratio(r), f"{r['warm']:.3f} s / {r['ref_time']:.3f} s")
-             for ts in RECIPE_SAVES
-             if (r := find(RECIPE["nc"], f"in-situ saveat fof+knn_density k=16, per snapshot "
-                                         f"of {len(ts)}"))]
-    out.append(row(f"in situ, the recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps) through "
-                   f"InSitu.saveat: FoF + kNN density k=16 <= {INSITU_LIMIT:g} PM steps per "
-                   "snapshot", found, INSITU_LIMIT, " PM steps", 1))
+    found = [
+        (f"{nc}^3", own / nc**3, f"XLA temp; {temp / nc**3:.0f} B in a plain jit")
+        for (nc, w), (_, _, temp, own) in sorted(memory.items())
+        if w == "knn_density k=16" and nc in KNN_SIZES
+    ]
+    out.append(
+        row(
+            f"XLA temporaries of knn_density k=16 <= {KNN_TEMP_LIMIT} B/particle",
+            found,
+            KNN_TEMP_LIMIT,
+            " B",
+            0,
+        )
+    )
+    found = [
+        (f"{len(ts)} snapshot(s)", ratio(r), f"{r['warm']:.3f} s / {r['ref_time']:.3f} s")
+        for ts in RECIPE_SAVES
+        if (
+            r := find(
+                RECIPE["nc"], f"in-situ saveat fof+knn_density k=16, per snapshot of {len(ts)}"
+            )
+        )
+    ]
+    out.append(
+        row(
+            f"in situ, the recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps) through "
+            f"InSitu.saveat: FoF + kNN density k=16 <= {INSITU_LIMIT:g} PM steps per "
+            "snapshot",
+            found,
+            INSITU_LIMIT,
+            " PM steps",
+            1,
+        )
+    )
     n = RECIPE["nc"] ** 3
-    found = [(where, on / off, f"{off / n:.0f} -> {on / n:.0f} B/particle")
-             for where, (off, on) in solve_mem.items()]
-    out.append(row(f"the recipe's solve temporaries with FoF + kNN density <= "
-                   f"{SOLVE_MEMORY_LIMIT:g}x without", found, SOLVE_MEMORY_LIMIT))
+    found = [
+        (where, on / off, f"{off / n:.0f} -> {on / n:.0f} B/particle")
+        for where, (off, on) in solve_mem.items()
+    ]
+    out.append(
+        row(
+            f"the recipe's solve temporaries with FoF + kNN density <= "
+            f"{SOLVE_MEMORY_LIMIT:g}x without",
+            found,
+            SOLVE_MEMORY_LIMIT,
+        )
+    )
     out.append(growth_row(rows, find))
     return out
 
@@ -438,71 +588,105 @@ def growth_row(rows, find):
     if len(sizes) < 2:
         return target, "not measured (one size)", "-"
     lo, hi = sizes[0], sizes[-1]
-    n_lo, n_hi = lo ** 3, hi ** 3
+    n_lo, n_hi = lo**3, hi**3
     nlogn = n_hi * np.log(n_hi) / (n_lo * np.log(n_lo))
     whats = ("fof",) + tuple(f"knn_density k={k}" for k in KNN_KS)
-    growth = [(w, b["warm"] / a["warm"]) for w in whats
-              if (a := find(lo, w)) is not None and (b := find(hi, w)) is not None]
+    growth = [
+        (w, b["warm"] / a["warm"])
+        for w in whats
+        if (a := find(lo, w)) is not None and (b := find(hi, w)) is not None
+    ]
     figures = ", ".join(f"{w} x{g:.0f}" for w, g in growth)
-    return (target, f"{lo}^3 -> {hi}^3, JaxPM snapshots: {figures}; N log N x{nlogn:.0f}",
-            _verdict(all(g <= nlogn for _, g in growth)))
+    return (
+        target,
+        f"{lo}^3 -> {hi}^3, JaxPM snapshots: {figures}; N log N x{nlogn:.0f}",
+        _verdict(all(g <= nlogn for _, g in growth)),
+    )
 
 
 def report(rows, memory, solve_mem, path):
     at = commit()
-    lines = ["# jaxpm_halos benchmark results", "",
-             f"Measured {datetime.date.today()} on {machine()} by `python benchmarks/run.py`"
-             + (f" at {at}." if at else "."),
-             "Times are the minimum of several warm runs; ratios compare figures measured in "
-             "the same process. Every jaxpm_halos result was checked against its reference.", "",
-             "First call: compilation plus one run; compile: first call minus the warm time.", "",
-             "## Against the targets", "",
-             "Every figure comes from this run. Where a target is missed, the cause found by "
-             "profiling is written by hand after the generated tables (run.py keeps that part).",
-             "",
-             "| target | measured | status |", "|---|---|---|"]
+    lines = [
+        "# jaxpm_halos benchmark results",
+        "",
+        f"Measured {datetime.date.today()} on {machine()} by `python benchmarks/run.py`"
+        + (f" at {at}." if at else "."),
+        "Times are the minimum of several warm runs; ratios compare figures measured in "
+        "the same process. Every jaxpm_halos result was checked against its reference.",
+        "",
+        "First call: compilation plus one run; compile: first call minus the warm time.",
+        "",
+        "## Against the targets",
+        "",
+        "Every figure comes from this run. Where a target is missed, the cause found by "
+        "profiling is written by hand after the generated tables (run.py keeps that part).",
+        "",
+        "| target | measured | status |",
+        "|---|---|---|",
+    ]
     lines += [f"| {t} | {m} | {v} |" for t, m, v in target_rows(rows, memory, solve_mem)]
     if rows:
-        lines += ["", "## All timings", "",
-                  "| N | data | analysis | devices | jaxpm_halos (s) | reference | ref (s) | "
-                  "ratio | kdcount (s) | first call (s) | compile (s) | halos |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## All timings",
+            "",
+            "| N | data | analysis | devices | jaxpm_halos (s) | reference | ref (s) | "
+            "ratio | kdcount (s) | first call (s) | compile (s) | halos |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in rows:
-        lines.append(f"| {r['size']}^3 | {r['kind']} | {r['what']} | {r['where']} | "
-                     f"{r['warm']:.3f} | {r['ref']} | {r['ref_time']:.3f} | "
-                     f"{r['warm'] / r['ref_time']:.2f} | {r.get('kdcount', float('nan')):.3f} | "
-                     f"{r['first']:.1f} | {r['first'] - r['warm']:.1f} | {r.get('halos', '')} |")
+        lines.append(
+            f"| {r['size']}^3 | {r['kind']} | {r['what']} | {r['where']} | "
+            f"{r['warm']:.3f} | {r['ref']} | {r['ref_time']:.3f} | "
+            f"{r['warm'] / r['ref_time']:.2f} | {r.get('kdcount', float('nan')):.3f} | "
+            f"{r['first']:.1f} | {r['first'] - r['warm']:.1f} | {r.get('halos', '')} |"
+        )
     if memory:
-        lines += ["", "## Peak memory (child process, peak RSS growth per particle)", "",
-                  "First call: compilation included. Warm call: the peak of a second call "
-                  "(reset through /proc/self/clear_refs), i.e. the working memory of the "
-                  "analysis with the particles already resident. XLA temp: the compiled "
-                  "program's temporary buffers (per device, times the 8 devices), as the "
-                  "call compiles it outside `jit` (on CPU with XLA's memory-minimising "
-                  "scheduler), and inside a user's plain `jax.jit` (XLA:CPU's default, "
-                  "concurrency-optimised scheduler).", "",
-                  "| N | analysis | first call (B/particle) | warm call (B/particle) | "
-                  "XLA temp, own (B/particle) | XLA temp, plain jit (B/particle) |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Peak memory (child process, peak RSS growth per particle)",
+            "",
+            "First call: compilation included. Warm call: the peak of a second call "
+            "(reset through /proc/self/clear_refs), i.e. the working memory of the "
+            "analysis with the particles already resident. XLA temp: the compiled "
+            "program's temporary buffers (per device, times the 8 devices), as the "
+            "call compiles it outside `jit` (on CPU with XLA's memory-minimising "
+            "scheduler), and inside a user's plain `jax.jit` (XLA:CPU's default, "
+            "concurrency-optimised scheduler).",
+            "",
+            "| N | analysis | first call (B/particle) | warm call (B/particle) | "
+            "XLA temp, own (B/particle) | XLA temp, plain jit (B/particle) |",
+            "|---|---|---|---|---|---|",
+        ]
         for (nc, what), (first, warm, temp, own) in memory.items():
-            n = nc ** 3
-            lines.append(f"| {nc}^3 | {what} | {first / n:.0f} | {warm / n:.0f} | "
-                         f"{own / n:.0f} | {temp / n:.0f} |")
+            n = nc**3
+            lines.append(
+                f"| {nc}^3 | {what} | {first / n:.0f} | {warm / n:.0f} | "
+                f"{own / n:.0f} | {temp / n:.0f} |"
+            )
     if solve_mem:
         n = RECIPE["nc"] ** 3
-        lines += ["", "## The recipe's solve: XLA temporaries", "",
-                  f"The in-situ recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps), its "
-                  "diffeqsolve alone compiled from a given state with one save time, with "
-                  "`InSitu.saveat` (FoF + kNN density k=16) and with `SaveAt(ts=...)`; per "
-                  "device times the devices.", "",
-                  "| devices | without (B/particle) | with (B/particle) | ratio |",
-                  "|---|---|---|---|"]
-        lines += [f"| {where} | {off / n:.0f} | {on / n:.0f} | {on / off:.2f} |"
-                  for where, (off, on) in solve_mem.items()]
+        lines += [
+            "",
+            "## The recipe's solve: XLA temporaries",
+            "",
+            f"The in-situ recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps), its "
+            "diffeqsolve alone compiled from a given state with one save time, with "
+            "`InSitu.saveat` (FoF + kNN density k=16) and with `SaveAt(ts=...)`; per "
+            "device times the devices.",
+            "",
+            "| devices | without (B/particle) | with (B/particle) | ratio |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {where} | {off / n:.0f} | {on / n:.0f} | {on / off:.2f} |"
+            for where, (off, on) in solve_mem.items()
+        ]
     path = Path(path)
     kept = path.read_text().partition(KEEP_BELOW)[2] if path.is_file() else ""
-    path.write_text("\n".join(lines) + "\n\n" + KEEP_BELOW + kept if kept
-                    else "\n".join(lines) + "\n")
+    path.write_text(
+        "\n".join(lines) + "\n\n" + KEEP_BELOW + kept if kept else "\n".join(lines) + "\n"
+    )
 
 
 def plot(rows, path):
@@ -540,8 +724,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--memory-only", action="store_true",
-                        help="only the child-process memory runs (printed, not written)")
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="only the child-process memory runs (printed, not written)",
+    )
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args(argv)
     if args.memory_only:

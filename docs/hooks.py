@@ -53,8 +53,14 @@ def _verdict(ok):
 
 
 def _find(rows, size, what, kind="jaxpm", where="8 dev (2,4)"):
-    return next((r for r in rows if (r["size"], r["kind"], r["what"], r["where"])
-                 == (size, kind, what, where)), None)
+    return next(
+        (
+            r
+            for r in rows
+            if (r["size"], r["kind"], r["what"], r["where"]) == (size, kind, what, where)
+        ),
+        None,
+    )
 
 
 def _ratio(r):
@@ -64,8 +70,9 @@ def _ratio(r):
 def _row(target, found, limit, unit="x", digits=2):
     if not found:
         return target, "not measured", "-"
-    figures = "; ".join(f"{label}: {fig:.{digits}f}{unit} ({detail})"
-                        for label, fig, detail in found)
+    figures = "; ".join(
+        f"{label}: {fig:.{digits}f}{unit} ({detail})" for label, fig, detail in found
+    )
     return target, figures, _verdict(max(fig for _, fig, _ in found) <= limit)
 
 
@@ -74,31 +81,61 @@ def _timing_targets(rows):
     where run.py puts a memory target."""
     out = []
     for size, limit in FOF_LIMITS:
-        found = [(kind, _ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
-                 for kind in ("jaxpm", "uniform") if (r := _find(rows, size, "fof", kind))]
+        found = [
+            (kind, _ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
+            for kind in ("jaxpm", "uniform")
+            if (r := _find(rows, size, "fof", kind))
+        ]
         out.append(_row(f"FoF {size}^3, 8 devices: <= {limit:g}x scipy", found, limit))
     for k, limit in KNN_LIMITS.items():
-        found = [(f"{size}^3", _ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
-                 for size in KNN_SIZES if (r := _find(rows, size, f"knn_density k={k}"))]
-        out.append(_row(f"kNN density k={k}, JaxPM snapshots, 8 devices: <= {limit:g}x "
-                        "cKDTree", found, limit))
+        found = [
+            (f"{size}^3", _ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
+            for size in KNN_SIZES
+            if (r := _find(rows, size, f"knn_density k={k}"))
+        ]
+        out.append(
+            _row(
+                f"kNN density k={k}, JaxPM snapshots, 8 devices: <= {limit:g}x cKDTree",
+                found,
+                limit,
+            )
+        )
     compile_rows = [r for r in rows if "saveat" not in r["what"]]
     if compile_rows:
         worst = max(compile_rows, key=lambda r: r["first"] - r["warm"])
-        out.append((f"compile <= {COMPILE_LIMIT:g} s per function",
-                    f"at most {worst['first'] - worst['warm']:.1f} s ({worst['what']}, "
-                    f"{worst['size']}^3, {worst['where']})",
-                    _verdict(worst["first"] - worst["warm"] <= COMPILE_LIMIT)))
+        out.append(
+            (
+                f"compile <= {COMPILE_LIMIT:g} s per function",
+                f"at most {worst['first'] - worst['warm']:.1f} s ({worst['what']}, "
+                f"{worst['size']}^3, {worst['where']})",
+                _verdict(worst["first"] - worst["warm"] <= COMPILE_LIMIT),
+            )
+        )
     else:
         out.append((f"compile <= {COMPILE_LIMIT:g} s per function", "not measured", "-"))
     out += [None, None, None]  # warm memory of fof, of knn_density; kNN's XLA temporaries
-    found = [(f"{len(ts)} snapshot(s)", _ratio(r), f"{r['warm']:.3f} s / {r['ref_time']:.3f} s")
-             for ts in RECIPE_SAVES
-             if (r := _find(rows, RECIPE["nc"], f"in-situ saveat fof+knn_density k=16, per "
-                                                f"snapshot of {len(ts)}"))]
-    out.append(_row(f"in situ, the recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps) through "
-                    f"InSitu.saveat: FoF + kNN density k=16 <= {INSITU_LIMIT:g} PM steps per "
-                    "snapshot", found, INSITU_LIMIT, " PM steps", 1))
+    found = [
+        (f"{len(ts)} snapshot(s)", _ratio(r), f"{r['warm']:.3f} s / {r['ref_time']:.3f} s")
+        for ts in RECIPE_SAVES
+        if (
+            r := _find(
+                rows,
+                RECIPE["nc"],
+                f"in-situ saveat fof+knn_density k=16, per snapshot of {len(ts)}",
+            )
+        )
+    ]
+    out.append(
+        _row(
+            f"in situ, the recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps) through "
+            f"InSitu.saveat: FoF + kNN density k=16 <= {INSITU_LIMIT:g} PM steps per "
+            "snapshot",
+            found,
+            INSITU_LIMIT,
+            " PM steps",
+            1,
+        )
+    )
     out.append(None)  # the recipe's solve temporaries
     out.append(_growth_row(rows))
     return out
@@ -110,26 +147,38 @@ def _growth_row(rows):
     if len(sizes) < 2:
         return target, "not measured (one size)", "-"
     lo, hi = sizes[0], sizes[-1]
-    n_lo, n_hi = lo ** 3, hi ** 3
+    n_lo, n_hi = lo**3, hi**3
     nlogn = n_hi * math.log(n_hi) / (n_lo * math.log(n_lo))
     whats = ("fof",) + tuple(f"knn_density k={k}" for k in KNN_KS)
-    growth = [(w, b["warm"] / a["warm"]) for w in whats
-              if (a := _find(rows, lo, w)) is not None and (b := _find(rows, hi, w)) is not None]
+    growth = [
+        (w, b["warm"] / a["warm"])
+        for w in whats
+        if (a := _find(rows, lo, w)) is not None and (b := _find(rows, hi, w)) is not None
+    ]
     figures = ", ".join(f"{w} x{g:.0f}" for w, g in growth)
-    return (target, f"{lo}^3 -> {hi}^3, JaxPM snapshots: {figures}; N log N x{nlogn:.0f}",
-            _verdict(all(g <= nlogn for _, g in growth)))
+    return (
+        target,
+        f"{lo}^3 -> {hi}^3, JaxPM snapshots: {figures}; N log N x{nlogn:.0f}",
+        _verdict(all(g <= nlogn for _, g in growth)),
+    )
 
 
 def _timing_lines(rows):
-    lines = ["| N | data | analysis | devices | jaxpm_halos (s) | reference | ref (s) | "
-             "ratio | kdcount (s) | first call (s) | compile (s) | halos |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| N | data | analysis | devices | jaxpm_halos (s) | reference | ref (s) | "
+        "ratio | kdcount (s) | first call (s) | compile (s) | halos |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['size']}^3 | {r['kind']} | {r['what']} | {r['where']} | "
-                     f"{r['warm']:.3f} | {r['ref']} | {r['ref_time']:.3f} | "
-                     f"{r['warm'] / r['ref_time']:.2f} | {r.get('kdcount', float('nan')):.3f} | "
-                     f"{r['first']:.1f} | {r['first'] - r['warm']:.1f} | {r.get('halos', '')} |")
+        lines.append(
+            f"| {r['size']}^3 | {r['kind']} | {r['what']} | {r['where']} | "
+            f"{r['warm']:.3f} | {r['ref']} | {r['ref_time']:.3f} | "
+            f"{r['warm'] / r['ref_time']:.2f} | {r.get('kdcount', float('nan')):.3f} | "
+            f"{r['first']:.1f} | {r['first'] - r['warm']:.1f} | {r.get('halos', '')} |"
+        )
     return lines
+
+
 # --- end of the mirror -------------------------------------------------------------------
 
 
@@ -148,8 +197,9 @@ def _section(text, title):
 def benchmark_tables():
     rows = json.loads((BENCH / "results.json").read_text())
     generated = _generated_part()
-    measured = re.search(r"^Measured (.*?) by `python benchmarks/run.py`(?: at (\w+(?:-dirty)?))?",
-                         generated, re.M)
+    measured = re.search(
+        r"^Measured (.*?) by `python benchmarks/run.py`(?: at (\w+(?:-dirty)?))?", generated, re.M
+    )
     # run.py's memory targets, in its order (results.json lacks their figures).
     memory_targets = []
     for line in _section(generated, "Against the targets").splitlines():
@@ -162,21 +212,33 @@ def benchmark_tables():
     timing = _timing_lines(rows)
     missing = [line for line in timing[2:] if line not in generated]
     if missing:
-        log.warning("benchmarks/results.json and benchmarks/RESULTS.md come from different "
-                    "runs: %d timing rows of results.json are not in RESULTS.md (first: %s)",
-                    len(missing), missing[0])
+        log.warning(
+            "benchmarks/results.json and benchmarks/RESULTS.md come from different "
+            "runs: %d timing rows of results.json are not in RESULTS.md (first: %s)",
+            len(missing),
+            missing[0],
+        )
     out = []
     if measured:
         date_machine, commit = measured.group(1), measured.group(2)
-        out += [f"Measured {date_machine}" + (f", at commit `{commit}`" if commit else "")
-                + ", by `python benchmarks/run.py`. Times are the minimum of several warm "
-                "runs; every ratio compares figures from the same process, and every "
-                "jaxpm_halos result was checked against its reference.", ""]
+        out += [
+            f"Measured {date_machine}"
+            + (f", at commit `{commit}`" if commit else "")
+            + ", by `python benchmarks/run.py`. Times are the minimum of several warm "
+            "runs; every ratio compares figures from the same process, and every "
+            "jaxpm_halos result was checked against its reference.",
+            "",
+        ]
     out += ["### Against the targets", "", "| target | measured | status |", "|---|---|---|"]
     out += [f"| {t} | {m} | {v} |" for t, m, v in targets]
-    out += ["", "### All timings", "",
-            "*First call*: compilation plus one run; *compile*: first call minus the warm "
-            "time. *Ratio*: jaxpm_halos' warm time over the reference's.", ""]
+    out += [
+        "",
+        "### All timings",
+        "",
+        "*First call*: compilation plus one run; *compile*: first call minus the warm "
+        "time. *Ratio*: jaxpm_halos' warm time over the reference's.",
+        "",
+    ]
     out += timing
     for title in ("Peak memory", "The recipe's solve: XLA temporaries"):
         body = _section(generated, title)
@@ -194,38 +256,53 @@ def gpu_tables():
     out = []
     # The card of rows without a "device" field, and when the file was measured.
     for name, card, when in (
-            ("gpu_results_h200.json", "NVIDIA H200", "2026-12-04, after the kNN redesign"),
-            ("gpu_results.json", "NVIDIA H100 80GB HBM3", "2026-11, before the kNN redesign")):
+        ("gpu_results_h200.json", "NVIDIA H200", "2026-12-04, after the kNN redesign"),
+        ("gpu_results.json", "NVIDIA H100 80GB HBM3", "2026-11, before the kNN redesign"),
+    ):
         path = BENCH / name
         if not path.is_file():
             continue
         rows = json.loads(path.read_text())
-        out += [f"#### `benchmarks/{name}` ({when})", "",
-                "| card | N | data | FoF (s) | FoF jz-tree (s) | ratio | kNN k=16 (s) | "
-                "kNN jz-tree (s) | ratio | FoF scipy (s) | kNN cKDTree (s) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"#### `benchmarks/{name}` ({when})",
+            "",
+            "| card | N | data | FoF (s) | FoF jz-tree (s) | ratio | kNN k=16 (s) | "
+            "kNN jz-tree (s) | ratio | FoF scipy (s) | kNN cKDTree (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             if r["kind"] == "in situ":
                 continue
             fof, jz_fof = r.get("fof"), r.get("jz_fof")
             knn, jz_knn = r.get("knn"), r.get("jz_knn")
             out.append(
-                f"| {r.get('device', card)} | {r['size']}^3 | {r['kind']} | {_fmt(fof)} | {_fmt(jz_fof)} | "
+                f"| {r.get('device', card)} | {r['size']}^3 | {r['kind']} | {_fmt(fof)} | "
+                f"{_fmt(jz_fof)} | "
                 f"{_fmt(fof / jz_fof if fof and jz_fof else None, 2, 'f')} | {_fmt(knn)} | "
                 f"{_fmt(jz_knn)} | {_fmt(knn / jz_knn if knn and jz_knn else None, 2, 'f')} | "
-                f"{_fmt(r.get('scipy_fof'))} | {_fmt(r.get('ckdtree_knn'))} |")
+                f"{_fmt(r.get('scipy_fof'))} | {_fmt(r.get('ckdtree_knn'))} |"
+            )
         insitu = [r for r in rows if r["kind"] == "in situ"]
         if insitu:
-            out += ["", "In situ (FoF + kNN density k = 16 on one device) against one PM step:",
-                    "", "| card | N | analyses (s) | PM step (s) | PM steps per snapshot |",
-                    "|---|---|---|---|---|"]
-            out += [f"| {r.get('device', card)} | {r['size']}^3 | {_fmt(r['insitu'])} | {_fmt(r['pm_step'])} | "
-                    f"{r['insitu'] / r['pm_step']:.0f} |" for r in insitu]
+            out += [
+                "",
+                "In situ (FoF + kNN density k = 16 on one device) against one PM step:",
+                "",
+                "| card | N | analyses (s) | PM step (s) | PM steps per snapshot |",
+                "|---|---|---|---|---|",
+            ]
+            out += [
+                f"| {r.get('device', card)} | {r['size']}^3 | {_fmt(r['insitu'])} | "
+                f"{_fmt(r['pm_step'])} | "
+                f"{r['insitu'] / r['pm_step']:.0f} |"
+                for r in insitu
+            ]
         out.append("")
     return "\n".join(out)
 
 
 # --- API reference -----------------------------------------------------------------------
+
 
 def _definitions():
     """{name: dotted module} of every top-level function and class in the package."""
@@ -252,8 +329,12 @@ def _api_path(name, definitions):
     if not modules:  # a subpackage documented as such (io)
         return f"jaxpm_halos.{name}"
     if len(modules) != 1:
-        log.warning("jaxpm_halos.%s is a subpackage and %s defines a function of that name: "
-                    "say in docs/api.md which one to document", name, modules or "nothing")
+        log.warning(
+            "jaxpm_halos.%s is a subpackage and %s defines a function of that name: "
+            "say in docs/api.md which one to document",
+            name,
+            modules or "nothing",
+        )
         return f"jaxpm_halos.{name}"
     return f"{modules[0]}.{name}"
 
@@ -265,9 +346,12 @@ def on_page_markdown(markdown, page, config, files):
         markdown = markdown.replace("<!-- gpu-tables -->", gpu_tables())
     if re.search(r"^::: jaxpm_halos\.", markdown, re.M):
         definitions = _definitions()
-        markdown = re.sub(r"^::: jaxpm_halos\.(\w+)$",
-                          lambda m: f"::: {_api_path(m.group(1), definitions)}",
-                          markdown, flags=re.M)
+        markdown = re.sub(
+            r"^::: jaxpm_halos\.(\w+)$",
+            lambda m: f"::: {_api_path(m.group(1), definitions)}",
+            markdown,
+            flags=re.M,
+        )
     return markdown
 
 

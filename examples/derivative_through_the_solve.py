@@ -26,7 +26,6 @@ import argparse
 import warnings
 
 from jaxpm_halos.pm import default_halo_size
-
 from jaxpm_halos.simulation import default_mesh_shape, use_host_devices
 
 use_host_devices()
@@ -36,7 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax_cosmo as jc  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxpm.kernels import interpolate_power_spectrum  # noqa: E402
 from jaxpm.painting import cic_paint_dx  # noqa: E402
 from jaxpm.pm import linear_field, lpt, make_diffrax_ode  # noqa: E402
@@ -48,18 +48,32 @@ def summaries(amplitude, *, insitu, nc, box, steps, sharding, halo):
     """(mean log density, mean halo radius in Mpc/h) at a = 1, and the in-situ outputs."""
     k = jnp.logspace(-4, 1, 128)
     pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=0.25, sigma8=0.8), k)
-    field = amplitude * linear_field((nc,) * 3, [box] * 3,
-                                     lambda x: interpolate_power_spectrum(x, k, pk, sharding),
-                                     seed=jax.random.PRNGKey(0), sharding=sharding)
+    field = amplitude * linear_field(
+        (nc,) * 3,
+        [box] * 3,
+        lambda x: interpolate_power_spectrum(x, k, pk, sharding),
+        seed=jax.random.PRNGKey(0),
+        sharding=sharding,
+    )
     cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
     dx, p, _ = lpt(cosmo, field, a=0.1, order=2, halo_size=halo, sharding=sharding)
-    ode = diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False,
-                                           halo_size=halo, sharding=sharding))
+    ode = diffrax.ODETerm(
+        make_diffrax_ode((nc,) * 3, paint_absolute_pos=False, halo_size=halo, sharding=sharding)
+    )
     sol = diffrax.diffeqsolve(
-        ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=jnp.stack([dx, p]),
-        args=cosmo, saveat=insitu.saveat([1.0], t0=0.1, t1=1.0),
+        ode,
+        diffrax.LeapfrogMidpoint(),
+        t0=0.1,
+        t1=1.0,
+        dt0=None,
+        y0=jnp.stack([dx, p]),
+        args=cosmo,
+        saveat=insitu.saveat([1.0], t0=0.1, t1=1.0),
         stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
-        max_steps=steps, throw=False, adjoint=diffrax.ForwardMode())
+        max_steps=steps,
+        throw=False,
+        adjoint=diffrax.ForwardMode(),
+    )
     out = sol.ys
     cat = out["fof"]["catalogue"]
     found = cat.count > 0
@@ -89,8 +103,11 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--eps", type=float, default=1e-3)
     parser.add_argument("--check-halo-adjoint", action="store_true")
-    parser.add_argument("--correct-adjoints", action="store_true",
-                        help="call jaxpm_halos.correct_jaxpm_adjoints() first")
+    parser.add_argument(
+        "--correct-adjoints",
+        action="store_true",
+        help="call jaxpm_halos.correct_jaxpm_adjoints() first",
+    )
     args = parser.parse_args()
     if args.correct_adjoints:
         jaxpm_halos.correct_jaxpm_adjoints()
@@ -107,19 +124,31 @@ def main():
 
     if args.check_halo_adjoint:
         fwd, rev = check_halo_adjoint(nc, sharding, halo)
-        print(f"JaxPM cic_paint_dx <w, J v>: forward mode {fwd:.5f}, reverse mode {rev:.5f}"
-              f" ({'agree' if abs(fwd - rev) <= 1e-4 * abs(fwd) else 'DISAGREE'})")
+        print(
+            f"JaxPM cic_paint_dx <w, J v>: forward mode {fwd:.5f}, reverse mode {rev:.5f}"
+            f" ({'agree' if abs(fwd - rev) <= 1e-4 * abs(fwd) else 'DISAGREE'})"
+        )
 
     insitu = jaxpm_halos.InSitu(box_size=box, analyses=("fof", "knn_density"), k=16)
-    fn = lambda a: summaries(a, insitu=insitu, nc=nc, box=box, steps=args.steps,  # noqa: E731
-                             sharding=sharding, halo=halo)
-    value, tangent, out = jax.jit(lambda a: jax.jvp(fn, (a,), (jnp.ones_like(a),),
-                                                    has_aux=True))(jnp.float32(1))
+    fn = lambda a: summaries(
+        a,
+        insitu=insitu,
+        nc=nc,
+        box=box,
+        steps=args.steps,  # noqa: E731
+        sharding=sharding,
+        halo=halo,
+    )
+    value, tangent, out = jax.jit(lambda a: jax.jvp(fn, (a,), (jnp.ones_like(a),), has_aux=True))(
+        jnp.float32(1)
+    )
     jaxpm_halos.check_insitu(out, insitu)  # raises, naming an InSitu setting that fits
     forward = jax.jit(lambda a: fn(a)[0])
     fd = (forward(jnp.float32(1 + args.eps)) - forward(jnp.float32(1 - args.eps))) / (2 * args.eps)
-    print(f"mean log density: {float(value[0]):8.4f}   d/dA {float(tangent[0]):8.4f}   "
-          f"finite difference (eps {args.eps}) {float(fd[0]):8.4f}")
+    print(
+        f"mean log density: {float(value[0]):8.4f}   d/dA {float(tangent[0]):8.4f}   "
+        f"finite difference (eps {args.eps}) {float(fd[0]):8.4f}"
+    )
     print(f"mean halo radius: {float(value[1]):8.4f} Mpc/h   d/dA {float(tangent[1]):8.4f}")
 
 

@@ -33,7 +33,6 @@ import time
 import warnings
 
 from jaxpm_halos.pm import default_halo_size
-
 from jaxpm_halos.simulation import use_host_devices
 
 use_host_devices()
@@ -43,7 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax_cosmo as jc  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxpm.kernels import interpolate_power_spectrum  # noqa: E402
 from jaxpm.pm import linear_field, lpt, make_diffrax_ode  # noqa: E402
 
@@ -56,14 +56,23 @@ def solve(delta, *, nc, steps, sharding, halo, saveat, adjoint=None):
     ``adjoint``: diffrax's (default RecursiveCheckpointAdjoint, for reverse mode)."""
     cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
     dx, p, _ = lpt(cosmo, delta, a=0.1, order=2, halo_size=halo, sharding=sharding)
-    ode = diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False,
-                                           halo_size=halo, sharding=sharding))
+    ode = diffrax.ODETerm(
+        make_diffrax_ode((nc,) * 3, paint_absolute_pos=False, halo_size=halo, sharding=sharding)
+    )
     return diffrax.diffeqsolve(
-        ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=jnp.stack([dx, p]),
-        args=cosmo, saveat=saveat,
+        ode,
+        diffrax.LeapfrogMidpoint(),
+        t0=0.1,
+        t1=1.0,
+        dt0=None,
+        y0=jnp.stack([dx, p]),
+        args=cosmo,
+        saveat=saveat,
         stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
-        max_steps=steps, throw=False,
-        **({} if adjoint is None else {"adjoint": adjoint})).ys
+        max_steps=steps,
+        throw=False,
+        **({} if adjoint is None else {"adjoint": adjoint}),
+    ).ys
 
 
 def statistic(delta, *, insitu, **solve_args):
@@ -90,38 +99,61 @@ def initial_field(nc, box, sharding):
     """JaxPM's linear field (Planck15, sigma8 0.8, seed 0), sharded ``sharding``."""
     k = jnp.logspace(-4, 1, 128)
     pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=0.25, sigma8=0.8), k)
-    return jax.jit(lambda: linear_field(
-        (nc,) * 3, [box] * 3, lambda x: interpolate_power_spectrum(x, k, pk, sharding),
-        seed=jax.random.PRNGKey(0), sharding=sharding))()
+    return jax.jit(
+        lambda: linear_field(
+            (nc,) * 3,
+            [box] * 3,
+            lambda x: interpolate_power_spectrum(x, k, pk, sharding),
+            seed=jax.random.PRNGKey(0),
+            sharding=sharding,
+        )
+    )()
 
 
 def gradients(delta, v, *, args, mesh, halo):
     """On the mesh: the gradient with its figures, and forward mode's derivative along v."""
     sharding = NamedSharding(mesh, P("x", "y"))
-    insitu = jaxpm_halos.InSitu(box_size=args.box, analyses=("knn_density",), k=args.k,
-                                mesh=mesh, save_state=True)
+    insitu = jaxpm_halos.InSitu(
+        box_size=args.box, analyses=("knn_density",), k=args.k, mesh=mesh, save_state=True
+    )
     common = dict(nc=args.nc, steps=args.steps, sharding=sharding, halo=halo)
     stat = lambda d, **kw: statistic(d, insitu=insitu, **common, **kw)  # noqa: E731
     ((value, state), grad), compile_s, grad_s, grad_mem = measure(
-        jax.value_and_grad(stat, has_aux=True), delta)
+        jax.value_and_grad(stat, has_aux=True), delta
+    )
     _, _, forward_s, forward_mem = measure(lambda d: stat(d)[0], delta)
     _, _, solve_s, solve_mem = measure(
-        lambda d: solve(d, saveat=diffrax.SaveAt(t1=True), **common), delta)
-    (_, fm_state), (tangent, state_tangent) = jax.jit(lambda d, v: jax.jvp(
-        lambda d: stat(d, adjoint=diffrax.ForwardMode()), (d,), (v,)))(delta, v)
-    return dict(value=value, state=state, grad=grad, tangent=tangent, fm_state=fm_state,
-                state_tangent=state_tangent, compile_s=compile_s,
-                grad_s=grad_s, grad_mem=grad_mem, forward_s=forward_s,
-                forward_mem=forward_mem, solve_s=solve_s, solve_mem=solve_mem)
+        lambda d: solve(d, saveat=diffrax.SaveAt(t1=True), **common), delta
+    )
+    (_, fm_state), (tangent, state_tangent) = jax.jit(
+        lambda d, v: jax.jvp(lambda d: stat(d, adjoint=diffrax.ForwardMode()), (d,), (v,))
+    )(delta, v)
+    return dict(
+        value=value,
+        state=state,
+        grad=grad,
+        tangent=tangent,
+        fm_state=fm_state,
+        state_tangent=state_tangent,
+        compile_s=compile_s,
+        grad_s=grad_s,
+        grad_mem=grad_mem,
+        forward_s=forward_s,
+        forward_mem=forward_mem,
+        solve_s=solve_s,
+        solve_mem=solve_mem,
+    )
 
 
 def one_device_gradient(delta, *, args):
     """The same gradient on one device: (S, state at a = 1, gradient, time, temp bytes)."""
-    insitu = jaxpm_halos.InSitu(box_size=args.box, analyses=("knn_density",), k=args.k,
-                                save_state=True)
-    fn = jax.value_and_grad(lambda d: statistic(d, insitu=insitu, nc=args.nc,
-                                                steps=args.steps, sharding=None, halo=0),
-                            has_aux=True)
+    insitu = jaxpm_halos.InSitu(
+        box_size=args.box, analyses=("knn_density",), k=args.k, save_state=True
+    )
+    fn = jax.value_and_grad(
+        lambda d: statistic(d, insitu=insitu, nc=args.nc, steps=args.steps, sharding=None, halo=0),
+        has_aux=True,
+    )
     delta = jax.device_put(np.asarray(delta), jax.devices()[0])
     ((value, state), grad), _, run_s, mem = measure(fn, delta, repeats=1)
     return value, state, grad, run_s, mem
@@ -130,9 +162,14 @@ def one_device_gradient(delta, *, args):
 def kth_neighbours_differ(state, one_state, box, k):
     """How many particles have a different k-th neighbour in the two a = 1 states: kNN
     density is smooth only while the neighbour sets hold, so their gradients differ there."""
-    ids = [np.asarray(jaxpm_halos.knn(jaxpm_halos.from_jaxpm(jnp.asarray(np.asarray(y)),
-                                                             box_size=box), k=k)[1])[..., -1]
-           for y in (state, one_state)]
+    ids = [
+        np.asarray(
+            jaxpm_halos.knn(jaxpm_halos.from_jaxpm(jnp.asarray(np.asarray(y)), box_size=box), k=k)[
+                1
+            ]
+        )[..., -1]
+        for y in (state, one_state)
+    ]
     return int(np.sum(ids[0] != ids[1]))
 
 
@@ -140,8 +177,13 @@ def chain_rule(state, state_tangent, box, k):
     """dS along v with the neighbour sets of ``state``: <dS/dy at ``state``, dy/dv>, where
     dy/dv is forward mode's tangent of the a = 1 state and dS/dy is kNN density's own
     gradient (``jaxpm_halos.knn_density``, neighbours held fixed)."""
-    S = lambda y: jnp.mean(jnp.log(jaxpm_halos.knn_density(  # noqa: E731
-        jaxpm_halos.from_jaxpm(y, box_size=box), k=k)))
+    S = lambda y: jnp.mean(
+        jnp.log(
+            jaxpm_halos.knn_density(  # noqa: E731
+                jaxpm_halos.from_jaxpm(y, box_size=box), k=k
+            )
+        )
+    )
     return float(jnp.vdot(jax.jit(jax.grad(S))(state), state_tangent))
 
 
@@ -153,26 +195,37 @@ def report(m, one, *, args):
     cosine = np.sum(grad * ref) / np.linalg.norm(grad) / np.linalg.norm(ref)
     flips = kth_neighbours_differ(m["state"], one_state, args.box, args.k)
     step_s, mib = m["solve_s"] / args.steps, 2.0**20
-    print(f"S = mean log rho_kNN: {float(m['value']):.6f} on the mesh, "
-          f"{float(one_value):.6f} on one device")
-    vdot, chained = float(m["vdot"]), chain_rule(m["state"], m["state_tangent"], args.box,
-                                                   args.k)
-    print(f"dS along a random v: forward mode {float(m['tangent']):.6e} (its run rounds "
-          f"differently: {kth_neighbours_differ(m['state'], m['fm_state'], args.box, args.k)}"
-          f" particles have another {args.k}-th neighbour at a = 1); forward-mode state "
-          f"tangent with the gradient run's neighbours {chained:.6e}; <grad, v> {vdot:.6e} "
-          f"(relative difference {abs(vdot - chained) / abs(chained):.1e})")
-    print(f"grad against one device ({args.nc}^3 cells): max |difference| / max |grad| = "
-          f"{err:.2e}, cosine {cosine:.8f}; {flips} particles have a different "
-          f"{args.k}-th neighbour at a = 1 on one device")
-    print(f"one gradient: {m['grad_s']:.3f} s warm (compile {m['compile_s']:.1f} s), "
-          f"{m['grad_mem'] / mib:.1f} MiB XLA temporaries per device")
-    print(f"forward S: {m['forward_s']:.3f} s ({m['forward_mem'] / mib:.1f} MiB); solve "
-          f"alone: {m['solve_s']:.3f} s ({m['solve_mem'] / mib:.1f} MiB), one PM step "
-          f"{step_s * 1e3:.1f} ms")
-    print(f"cost of one gradient: {m['grad_s'] / step_s:.1f} PM steps "
-          f"({m['grad_s'] / m['forward_s']:.2f}x the forward S); one device: {one_s:.3f} s, "
-          f"{one_mem / mib:.1f} MiB")
+    print(
+        f"S = mean log rho_kNN: {float(m['value']):.6f} on the mesh, "
+        f"{float(one_value):.6f} on one device"
+    )
+    vdot, chained = float(m["vdot"]), chain_rule(m["state"], m["state_tangent"], args.box, args.k)
+    print(
+        f"dS along a random v: forward mode {float(m['tangent']):.6e} (its run rounds "
+        f"differently: {kth_neighbours_differ(m['state'], m['fm_state'], args.box, args.k)}"
+        f" particles have another {args.k}-th neighbour at a = 1); forward-mode state "
+        f"tangent with the gradient run's neighbours {chained:.6e}; <grad, v> {vdot:.6e} "
+        f"(relative difference {abs(vdot - chained) / abs(chained):.1e})"
+    )
+    print(
+        f"grad against one device ({args.nc}^3 cells): max |difference| / max |grad| = "
+        f"{err:.2e}, cosine {cosine:.8f}; {flips} particles have a different "
+        f"{args.k}-th neighbour at a = 1 on one device"
+    )
+    print(
+        f"one gradient: {m['grad_s']:.3f} s warm (compile {m['compile_s']:.1f} s), "
+        f"{m['grad_mem'] / mib:.1f} MiB XLA temporaries per device"
+    )
+    print(
+        f"forward S: {m['forward_s']:.3f} s ({m['forward_mem'] / mib:.1f} MiB); solve "
+        f"alone: {m['solve_s']:.3f} s ({m['solve_mem'] / mib:.1f} MiB), one PM step "
+        f"{step_s * 1e3:.1f} ms"
+    )
+    print(
+        f"cost of one gradient: {m['grad_s'] / step_s:.1f} PM steps "
+        f"({m['grad_s'] / m['forward_s']:.2f}x the forward S); one device: {one_s:.3f} s, "
+        f"{one_mem / mib:.1f} MiB"
+    )
 
 
 def main():
@@ -193,13 +246,16 @@ def main():
     mesh = jax.make_mesh(shape, ("x", "y"), axis_types=(AxisType.Auto,) * 2)
     sharding = NamedSharding(mesh, P("x", "y"))
     halo = default_halo_size(args.nc, args.box, min(args.nc // shape[0], args.nc // shape[1]))
-    print(f"{args.nc}^3 particles in {args.box} Mpc/h, {args.steps} PM steps, kNN k = "
-          f"{args.k}, mesh {shape} (halo_size {halo}), {jax.device_count()} "
-          f"{jax.default_backend()} devices; correction "
-          f"{'OFF' if args.without_correction else 'on'}")
+    print(
+        f"{args.nc}^3 particles in {args.box} Mpc/h, {args.steps} PM steps, kNN k = "
+        f"{args.k}, mesh {shape} (halo_size {halo}), {jax.device_count()} "
+        f"{jax.default_backend()} devices; correction "
+        f"{'OFF' if args.without_correction else 'on'}"
+    )
     delta = initial_field(args.nc, args.box, sharding)
-    v = jax.device_put(np.random.default_rng(1).normal(
-        0, 1, (args.nc,) * 3).astype(np.float32), sharding)
+    v = jax.device_put(
+        np.random.default_rng(1).normal(0, 1, (args.nc,) * 3).astype(np.float32), sharding
+    )
     m = gradients(delta, v, args=args, mesh=mesh, halo=halo)
     m["vdot"] = jnp.vdot(m["grad"], v)
     report(m, one_device_gradient(delta, args=args), args=args)

@@ -11,8 +11,8 @@ from .core.particles import Particles
 from .core.pipeline import compiler_options
 from .core.retry import GrowthWarning
 from .core.status import CapacityError, Failure, FailureKind, InvalidInputError, Status
-from .fof import fof, fof_local
 from .extension import EXTENSION
+from .fof import fof, fof_local
 from .insitu import InSitu, Snapshot, correct_jaxpm_adjoints, from_jaxpm, register
 from .insitu import check as check_insitu
 from .io import LoadedCatalogue, gather_catalogue, load_catalogue, write_catalogue

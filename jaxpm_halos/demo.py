@@ -11,9 +11,10 @@ mesh) unless ``XLA_FLAGS`` already chooses a device count; otherwise it uses all
 devices. The simulation follows JaxPM's distributed recipe: a linear field, 2LPT to
 ``a = 0.1``, then ``--steps`` PM steps with diffrax's ``LeapfrogMidpoint`` (with diffrax's
 text progress meter) to the last snapshot, on a PM grid of ``--pm-factor`` cells per
-particle spacing (:func:`jaxpm_halos.pm.refined_pm_ode` when above 1). At each snapshot, inside the jitted solve
-(``diffrax.SaveAt(ts=snapshots, fn=...)``), :class:`jaxpm_halos.extension.InSitu` runs FoF
-(``--b``, ``--min-members``) and the kNN density (``--k``) on the sharded state.
+particle spacing (:func:`jaxpm_halos.pm.refined_pm_ode` when above 1). At each snapshot,
+inside the jitted solve (``diffrax.SaveAt(ts=snapshots, fn=...)``),
+:class:`jaxpm_halos.InSitu` runs FoF (``--b``, ``--min-members``) and the kNN density
+(``--k``) on the sharded state.
 
 At the end it prints, per snapshot, the number of halos, the largest masses (Msun/h), the
 median kNN density, and the time of the analyses against one PM step: the compiled solve
@@ -43,10 +44,18 @@ import math
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
-from .simulation import (PM_FACTOR, SimulationResult, default_mesh_shape, demo_cosmology,
-                         run_simulation, switchable_saveat_fn, use_host_devices)
+from .simulation import (
+    PM_FACTOR,
+    SimulationResult,
+    default_mesh_shape,
+    demo_cosmology,
+    run_simulation,
+    switchable_saveat_fn,
+    use_host_devices,
+)
+
 
 def _host(x):
     """A (possibly multi-process) global array as numpy on every process."""
@@ -63,51 +72,102 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxpm_halos.demo",
         description="A distributed JaxPM run with in-situ FoF halo finding and kNN density "
-                    "(jaxpm_halos.InSitu inside diffrax's jitted solve). Writes one HDF5 halo "
-                    "catalogue per snapshot, a mass function plot and a density slice.")
+        "(jaxpm_halos.InSitu inside diffrax's jitted solve). Writes one HDF5 halo "
+        "catalogue per snapshot, a mass function plot and a density slice.",
+    )
     parser.add_argument("--nc", type=int, default=64, help="particles per side (default 64)")
     parser.add_argument("--box", type=float, default=128.0, help="box side in Mpc/h (default 128)")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="PM steps from a=0.1 to the last snapshot (default 20)")
-    parser.add_argument("--snapshots", default="0.5,1.0",
-                        help="scale factors of the in-situ snapshots; the run ends at the last "
-                             "(default 0.5,1.0)")
-    parser.add_argument("--mesh", default=None,
-                        help="device mesh 'px,py' (default: all devices, e.g. 2,4 for 8 CPU devices)")
-    parser.add_argument("--pm-factor", type=int, default=PM_FACTOR,
-                        help="PM grid cells per particle spacing along each axis: the PM grid "
-                             "has (pm-factor * nc)^3 cells (default %(default)s; 1 is JaxPM's "
-                             "own displacement mode, >1 the demo's refined_pm_ode)")
-    parser.add_argument("--m200m", action=argparse.BooleanOptionalAction, default=None,
-                        help="measure the spherical-overdensity M200m of every FoF halo in "
-                             "situ (InSitu(so=('200m',))) and plot it against Tinker et al. "
-                             "2008 beside the FoF masses (default on when --analyses holds "
-                             "fof; --no-m200m skips it)")
-    parser.add_argument("--centre", choices=("peak", "com"), default="peak",
-                        help="SO centre with --m200m: the member with the highest kNN density "
-                             "(peak) or the centre of mass (com) (default peak)")
-    parser.add_argument("--b", type=float, default=0.2,
-                        help="FoF linking length in mean particle separations (default 0.2)")
-    parser.add_argument("--min-members", type=int, default=20,
-                        help="smallest FoF group in the catalogues (default 20)")
-    parser.add_argument("--max-halos", type=int, default=None,
-                        help="catalogue rows per device (FoFConfig.max_halos; default "
-                             "max(1024, particles per device / 16)); a small --min-members "
-                             "may need more")
-    parser.add_argument("--buffers", action="append", default=[], metavar="FIELD=CONFIG",
-                        help="an InSitu buffer setting as a capacity error spells it, e.g. "
-                             "'domain=DomainConfig(capacity_factor=3.0)' (fields domain, fof, "
-                             "knn); may be repeated")
-    parser.add_argument("--k", type=int, default=16, help="neighbours for the kNN density (default 16)")
-    parser.add_argument("--analyses", default="fof,knn_density",
-                        help="registered analyses to run in situ (default fof,knn_density)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="PM steps from a=0.1 to the last snapshot (default 20)",
+    )
+    parser.add_argument(
+        "--snapshots",
+        default="0.5,1.0",
+        help="scale factors of the in-situ snapshots; the run ends at the last (default 0.5,1.0)",
+    )
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="device mesh 'px,py' (default: all devices, e.g. 2,4 for 8 CPU devices)",
+    )
+    parser.add_argument(
+        "--pm-factor",
+        type=int,
+        default=PM_FACTOR,
+        help="PM grid cells per particle spacing along each axis: the PM grid "
+        "has (pm-factor * nc)^3 cells (default %(default)s; 1 is JaxPM's "
+        "own displacement mode, >1 the demo's refined_pm_ode)",
+    )
+    parser.add_argument(
+        "--m200m",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the spherical-overdensity M200m of every FoF halo in "
+        "situ (InSitu(so=('200m',))) and plot it against Tinker et al. "
+        "2008 beside the FoF masses (default on when --analyses holds "
+        "fof; --no-m200m skips it)",
+    )
+    parser.add_argument(
+        "--centre",
+        choices=("peak", "com"),
+        default="peak",
+        help="SO centre with --m200m: the member with the highest kNN density "
+        "(peak) or the centre of mass (com) (default peak)",
+    )
+    parser.add_argument(
+        "--b",
+        type=float,
+        default=0.2,
+        help="FoF linking length in mean particle separations (default 0.2)",
+    )
+    parser.add_argument(
+        "--min-members",
+        type=int,
+        default=20,
+        help="smallest FoF group in the catalogues (default 20)",
+    )
+    parser.add_argument(
+        "--max-halos",
+        type=int,
+        default=None,
+        help="catalogue rows per device (FoFConfig.max_halos; default "
+        "max(1024, particles per device / 16)); a small --min-members "
+        "may need more",
+    )
+    parser.add_argument(
+        "--buffers",
+        action="append",
+        default=[],
+        metavar="FIELD=CONFIG",
+        help="an InSitu buffer setting as a capacity error spells it, e.g. "
+        "'domain=DomainConfig(capacity_factor=3.0)' (fields domain, fof, "
+        "knn); may be repeated",
+    )
+    parser.add_argument(
+        "--k", type=int, default=16, help="neighbours for the kNN density (default 16)"
+    )
+    parser.add_argument(
+        "--analyses",
+        default="fof,knn_density",
+        help="registered analyses to run in situ (default fof,knn_density)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timing", choices=("snapshot", "total", "none"), default="snapshot",
-                        help="time the analyses per snapshot (one more solve per snapshot), in "
-                             "total (one more solve, analyses off), or not at all "
-                             "(default snapshot)")
-    parser.add_argument("--out", default="halos_out",
-                        help="output folder for the catalogues and plots (default halos_out)")
+    parser.add_argument(
+        "--timing",
+        choices=("snapshot", "total", "none"),
+        default="snapshot",
+        help="time the analyses per snapshot (one more solve per snapshot), in "
+        "total (one more solve, analyses off), or not at all "
+        "(default snapshot)",
+    )
+    parser.add_argument(
+        "--out",
+        default="halos_out",
+        help="output folder for the catalogues and plots (default halos_out)",
+    )
     return parser
 
 
@@ -125,8 +185,9 @@ def _parse_args(argv):
         parser.error(f"--snapshots repeats a scale factor, got {args.snapshots}")
     for flag in ("nc", "steps", "pm_factor", "min_members", "max_halos"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got "
-                         f"{getattr(args, flag)}")
+            parser.error(
+                f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}"
+            )
     if args.k < 2:  # the kNN density (and the peak) count k - 1 neighbours in the ball
         parser.error(f"--k must be at least 2, got {args.k}")
     for flag in ("box", "b"):
@@ -145,8 +206,7 @@ def _parse_args(argv):
         parser.error(f"--buffers: {error}")
     with_fof = "fof" in args.analyses.split(",")
     if args.m200m and not with_fof:
-        parser.error("--m200m measures the FoF haloes: add fof to --analyses, or pass "
-                     "--no-m200m")
+        parser.error("--m200m measures the FoF haloes: add fof to --analyses, or pass --no-m200m")
     args.m200m = with_fof if args.m200m is None else args.m200m
     return parser, args, snapshots, args.pm_factor * args.nc
 
@@ -157,17 +217,20 @@ def _parse_buffers(values: Sequence[str]) -> dict:
     are read (nothing is evaluated)."""
     from .core import config as _config
 
-    classes = {cls.__name__: cls for cls in (_config.DomainConfig, _config.FoFConfig,
-                                             _config.KNNConfig, _config.SOConfig)}
-    fields = {"domain": _config.DomainConfig, "fof": _config.FoFConfig,
-              "knn": _config.KNNConfig}
+    classes = {
+        cls.__name__: cls
+        for cls in (_config.DomainConfig, _config.FoFConfig, _config.KNNConfig, _config.SOConfig)
+    }
+    fields = {"domain": _config.DomainConfig, "fof": _config.FoFConfig, "knn": _config.KNNConfig}
 
     def build(node):
         if not isinstance(node, ast.Call):
             return ast.literal_eval(node)
         if not isinstance(node.func, ast.Name) or node.func.id not in classes or node.args:
-            raise ValueError(f"expected one of {sorted(classes)} with keyword arguments, got "
-                             f"{ast.unparse(node)!r}")
+            raise ValueError(
+                f"expected one of {sorted(classes)} with keyword arguments, got "
+                f"{ast.unparse(node)!r}"
+            )
         return classes[node.func.id](**{kw.arg: build(kw.value) for kw in node.keywords})
 
     buffers = {}
@@ -217,42 +280,69 @@ def main(argv=None) -> int:
 
     analyses = tuple(a for a in args.analyses.split(",") if a)
     if "knn_density" in analyses and "knn_density" not in REGISTRY:
-        print("note: the knn_density analysis is not registered in this version; running "
-              f"{[a for a in analyses if a != 'knn_density']}", flush=True)
+        print(
+            "note: the knn_density analysis is not registered in this version; running "
+            f"{[a for a in analyses if a != 'knn_density']}",
+            flush=True,
+        )
         analyses = tuple(a for a in analyses if a != "knn_density")
     devices = jax.devices()
     shape = args.mesh or default_mesh_shape(len(devices))
     if math.prod(shape) > len(devices):
         parser.error(f"--mesh {shape} needs at most {len(devices)} devices")
-    mesh = jax.make_mesh(shape, ("x", "y"), axis_types=(AxisType.Auto, AxisType.Auto),
-                         devices=devices[:math.prod(shape)])
+    mesh = jax.make_mesh(
+        shape,
+        ("x", "y"),
+        axis_types=(AxisType.Auto, AxisType.Auto),
+        devices=devices[: math.prod(shape)],
+    )
     cosmology = demo_cosmology()
     omega_m = cosmology["Omega_c"] + cosmology["Omega_b"]
     mass = units.particle_mass(omega_m, args.box, args.nc)
     fof = args.buffers.get("fof", FoFConfig())
     if args.max_halos is not None:
         fof = dataclasses.replace(fof, max_halos=args.max_halos)
-    insitu = InSitu(box_size=args.box, analyses=analyses, b=args.b, min_members=args.min_members,
-                    k=args.k, omega_m=omega_m, overdensity=True,
-                    paint_absolute_pos=pm_nc != args.nc, pm_nc=pm_nc,
-                    so=("200m",) if args.m200m else (),
-                    centre=args.centre if args.m200m else "com",
-                    domain=args.buffers.get("domain", DomainConfig()),
-                    knn=args.buffers.get("knn", KNNConfig()), fof=fof)
+    insitu = InSitu(
+        box_size=args.box,
+        analyses=analyses,
+        b=args.b,
+        min_members=args.min_members,
+        k=args.k,
+        omega_m=omega_m,
+        overdensity=True,
+        paint_absolute_pos=pm_nc != args.nc,
+        pm_nc=pm_nc,
+        so=("200m",) if args.m200m else (),
+        centre=args.centre if args.m200m else "com",
+        domain=args.buffers.get("domain", DomainConfig()),
+        knn=args.buffers.get("knn", KNNConfig()),
+        fof=fof,
+    )
     lead = jax.process_index() == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if lead else (lambda *a, **k: None)
-    say(f"jaxpm_halos demo: {args.nc}^3 particles ({mass:.3g} Msun/h each), box {args.box:g} "
+    say(
+        f"jaxpm_halos demo: {args.nc}^3 particles ({mass:.3g} Msun/h each), box {args.box:g} "
         f"Mpc/h, {args.steps} PM steps to a = {snapshots[-1]:g}, in-situ {list(analyses)} at "
         f"a = {snapshots} (b = {args.b:g}, >= {args.min_members} members, k = {args.k}), PM grid "
         f"{pm_nc}^3 ({args.box / pm_nc:g} Mpc/h cells"
-        + (", JaxPM displacement mode" if pm_nc == args.nc else ", absolute positions") +
-        f"), mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices")
+        + (", JaxPM displacement mode" if pm_nc == args.nc else ", absolute positions")
+        + f"), mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices"
+    )
 
     say("compiling the solve with the analyses inside (diffrax SaveAt fn) ...")
-    result = run_simulation(args.nc, args.box, args.steps, snapshots, mesh=mesh,
-                            saveat_fn=switchable_saveat_fn(insitu, snapshots), seed=args.seed,
-                            a_final=snapshots[-1], progress=True,
-                            saveat_inputs=jnp.ones(len(snapshots), bool), pm_nc=pm_nc)
+    result = run_simulation(
+        args.nc,
+        args.box,
+        args.steps,
+        snapshots,
+        mesh=mesh,
+        saveat_fn=switchable_saveat_fn(insitu, snapshots),
+        seed=args.seed,
+        a_final=snapshots[-1],
+        progress=True,
+        saveat_inputs=jnp.ones(len(snapshots), bool),
+        pm_nc=pm_nc,
+    )
     say(f"compiled in {result.compile_s:.1f} s; solve with in-situ analyses: {result.run_s:.2f} s")
     try:  # raises, naming the knob, if any buffer overflowed at any snapshot
         check(result.saved, insitu)
@@ -262,8 +352,9 @@ def main(argv=None) -> int:
 
     if lead:
         os.makedirs(args.out, exist_ok=True)
-    catalogues = _write_catalogues(result.saved, snapshots, args, insitu, cosmology, mass,
-                                   shape, pm_nc)
+    catalogues = _write_catalogues(
+        result.saved, snapshots, args, insitu, cosmology, mass, shape, pm_nc
+    )
     rows = _snapshot_rows(result.saved, snapshots, catalogues, t_snap)
     if lead:
         _print_table(rows, t_off, args.steps, result.run_s, args.timing, args.k)
@@ -282,9 +373,11 @@ def _time_analyses(result: SimulationResult, timing: str, say):
     n_snap = len(result.snapshots)
     if timing == "none":
         return None, [None] * n_snap
-    say("timing: the same compiled solve with the analyses off"
-        + (" and with them on at single snapshots" if timing == "snapshot" and n_snap > 1
-           else "") + " ...")
+    say(
+        "timing: the same compiled solve with the analyses off"
+        + (" and with them on at single snapshots" if timing == "snapshot" and n_snap > 1 else "")
+        + " ..."
+    )
     with contextlib.redirect_stdout(io.StringIO()):  # no more progress meters
         _, _, t_off = result.rerun(jnp.zeros(n_snap, bool))
         if timing == "total":
@@ -295,8 +388,9 @@ def _time_analyses(result: SimulationResult, timing: str, say):
     return t_off, t_snap + [result.run_s - t_off - sum(t_snap)]
 
 
-def _write_catalogues(saved, snapshots, args, insitu, cosmology: dict, mass: float, shape,
-                      pm_nc: int):
+def _write_catalogues(
+    saved, snapshots, args, insitu, cosmology: dict, mass: float, shape, pm_nc: int
+):
     """The FoF catalogue of each snapshot (None without FoF), each written to
     ``halos_a{a:.4f}.h5`` in ``args.out``."""
     import numpy as np
@@ -308,13 +402,25 @@ def _write_catalogues(saved, snapshots, args, insitu, cosmology: dict, mass: flo
     catalogues = []
     for i, a in enumerate(snapshots):
         cat = gather_catalogue(saved["fof"]["catalogue"], snapshot=i)
-        write_catalogue(os.path.join(args.out, f"halos_a{a:.4f}.h5"), cat, box_size=args.box,
-                        nc=args.nc, a=a, cosmology=cosmology,
-                        linking_length=insitu.b * args.box / args.nc, b=insitu.b,
-                        min_members=insitu.min_members,
-                        units=dict(saved["fof"]["catalogue"].units),
-                        attrs=dict(particle_mass=mass, steps=args.steps, seed=args.seed,
-                                   mesh=np.asarray(shape), pm_nc=pm_nc))
+        write_catalogue(
+            os.path.join(args.out, f"halos_a{a:.4f}.h5"),
+            cat,
+            box_size=args.box,
+            nc=args.nc,
+            a=a,
+            cosmology=cosmology,
+            linking_length=insitu.b * args.box / args.nc,
+            b=insitu.b,
+            min_members=insitu.min_members,
+            units=dict(saved["fof"]["catalogue"].units),
+            attrs=dict(
+                particle_mass=mass,
+                steps=args.steps,
+                seed=args.seed,
+                mesh=np.asarray(shape),
+                pm_nc=pm_nc,
+            ),
+        )
         catalogues.append(cat)
     return catalogues
 
@@ -336,14 +442,27 @@ def _snapshot_rows(saved, snapshots, catalogues, t_snap):
     return rows
 
 
-def _plot_final(result: SimulationResult, final, a: float, args, cosmology: dict, mass: float,
-                pm_nc: int, lead: bool):
+def _plot_final(
+    result: SimulationResult,
+    final,
+    a: float,
+    args,
+    cosmology: dict,
+    mass: float,
+    pm_nc: int,
+    lead: bool,
+):
     """The last snapshot's mass function (with the counts against the fits) and density
     slice, written to ``args.out`` (by the lead process, when there is a catalogue)."""
     from . import from_jaxpm
 
-    particles = from_jaxpm(result.state, box_size=args.box, mass=mass,
-                           paint_absolute_pos=result.paint_absolute_pos, pm_nc=result.pm_nc)
+    particles = from_jaxpm(
+        result.state,
+        box_size=args.box,
+        mass=mass,
+        paint_absolute_pos=result.paint_absolute_pos,
+        pm_nc=result.pm_nc,
+    )
     pos = _host(particles.pos)  # every process takes part in the gather
     if not lead or final is None:
         return
@@ -351,19 +470,33 @@ def _plot_final(result: SimulationResult, final, a: float, args, cosmology: dict
 
     so_mass = final.get("m200m")
     mf = os.path.join(args.out, "mass_function.png")
-    plot_mass_function(mf, final["mass"], box_size=args.box, cosmology=cosmology, a=a,
-                       particle_mass=mass, min_members=args.min_members, so_mass=so_mass,
-                       title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, PM grid "
-                             f"{pm_nc}$^3$, {args.steps} steps, a = {a:g}: in-situ FoF "
-                             f"b = {args.b:g}")
+    plot_mass_function(
+        mf,
+        final["mass"],
+        box_size=args.box,
+        cosmology=cosmology,
+        a=a,
+        particle_mass=mass,
+        min_members=args.min_members,
+        so_mass=so_mass,
+        title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, PM grid "
+        f"{pm_nc}$^3$, {args.steps} steps, a = {a:g}: in-situ FoF "
+        f"b = {args.b:g}",
+    )
     _print_fit_ratios(final["mass"], so_mass, args, cosmology, mass, a)
     sl = os.path.join(args.out, "density_slice.png")
-    plot_density_slice(sl, pos, box_size=args.box, halo_pos=final["pos"],
-                       halo_mass=final["mass"], bins=min(args.nc, 512),
-                       title=f"a = {a:g}: projected density of z in [0, {args.box / 8:g}) "
-                             f"Mpc/h, FoF halo centres")
+    plot_density_slice(
+        sl,
+        pos,
+        box_size=args.box,
+        halo_pos=final["pos"],
+        halo_mass=final["mass"],
+        bins=min(args.nc, 512),
+        title=f"a = {a:g}: projected density of z in [0, {args.box / 8:g}) Mpc/h, FoF halo centres",
+    )
     files = sorted(f for f in os.listdir(args.out) if f.startswith("halos_a"))
-    print(f"wrote {', '.join(os.path.join(args.out, f) for f in files + [os.path.basename(mf), os.path.basename(sl)])}")
+    written = files + [os.path.basename(mf), os.path.basename(sl)]
+    print(f"wrote {', '.join(os.path.join(args.out, f) for f in written)}")
 
 
 def _print_fit_ratios(fof_mass, so_mass, args, cosmology: dict, mass: float, a: float):
@@ -371,19 +504,32 @@ def _print_fit_ratios(fof_mass, so_mass, args, cosmology: dict, mass: float, a: 
     (M200m) fits."""
     from .plots import ratio_above
 
-    print(f"\nhaloes at a = {a:g} against the fits (counts / expected, Poisson errors; "
-          f"100 particles = {100 * mass:.3g} Msun/h):")
-    for label, masses, fit in (("FoF   / Watson 2013", fof_mass, "watson13"),
-                               ("M200m / Tinker 2008", so_mass, "tinker08")):
+    print(
+        f"\nhaloes at a = {a:g} against the fits (counts / expected, Poisson errors; "
+        f"100 particles = {100 * mass:.3g} Msun/h):"
+    )
+    for label, masses, fit in (
+        ("FoF   / Watson 2013", fof_mass, "watson13"),
+        ("M200m / Tinker 2008", so_mass, "tinker08"),
+    ):
         if masses is None:
             continue
         for lo, hi in ((args.min_members, 100), (100, None)):
-            r = ratio_above(masses, box_size=args.box, cosmology=cosmology, a=a, fit=fit,
-                            min_mass=lo * mass, max_mass=None if hi is None else hi * mass,
-                            particle_mass=mass)
+            r = ratio_above(
+                masses,
+                box_size=args.box,
+                cosmology=cosmology,
+                a=a,
+                fit=fit,
+                min_mass=lo * mass,
+                max_mass=None if hi is None else hi * mass,
+                particle_mass=mass,
+            )
             span = f"{lo}-{hi} particles" if hi else f">= {lo} particles"
-            print(f"  {label}, {span:>16}: {r['count']:4d} / {r['expected']:6.1f} = "
-                  f"{r['ratio']:.2f} +- {r['error']:.2f}")
+            print(
+                f"  {label}, {span:>16}: {r['count']:4d} / {r['expected']:6.1f} = "
+                f"{r['ratio']:.2f} +- {r['error']:.2f}"
+            )
 
 
 def _print_table(rows, t_off, steps, t_on, timing, k):
@@ -397,24 +543,32 @@ def _print_table(rows, t_off, steps, t_on, timing, k):
     print(head)
     for r in rows:
         largest = ", ".join(f"{m:.2e}" for m in r["largest"]) or "-"
-        line = f"{r['a']:5.3f} {1 / r['a'] - 1:5.2f} {r['halos'] if r['halos'] is not None else '-':>6}  {largest:<30}"
+        halos = r["halos"] if r["halos"] is not None else "-"
+        line = f"{r['a']:5.3f} {1 / r['a'] - 1:5.2f} {halos:>6}  {largest:<30}"
         if any(x["rho"] is not None for x in rows):
             line += f" {r['rho']:19.3f}" if r["rho"] is not None else f" {'-':>19}"
         if per_step is not None:
             line += f" {r['t']:12.2f} {per_step:11.3f} {r['t'] / per_step:6.1f}"
         print(line)
     if any(r["rho"] is not None for r in rows):
-        print(f"median rho/rho_mean: the in-situ kNN density (k = {k}) over the mean density, "
-              "median over particles (mass-weighted, hence above 1).")
+        print(
+            f"median rho/rho_mean: the in-situ kNN density (k = {k}) over the mean density, "
+            "median over particles (mass-weighted, hence above 1)."
+        )
     if per_step is not None:
-        print(f"PM step: the solve with every analysis switched off ({t_off:.2f} s) / {steps} steps. "
-              "Analyses: " + ("the solve with the analyses on at that snapshot only, minus the "
-                              "solve with them off (the last snapshot: the solve with all on "
-                              f"({t_on:.2f} s), minus the others)" if timing == "snapshot" else
-                              f"(the solve with all on ({t_on:.2f} s) - the solve with all "
-                              "off) / snapshots")
-              + ". The same compiled program runs each time (a traced flag and lax.cond switch "
-                "the analyses), so compilation is not counted.")
+        print(
+            f"PM step: the solve with every analysis switched off ({t_off:.2f} s) / {steps} steps. "
+            "Analyses: "
+            + (
+                "the solve with the analyses on at that snapshot only, minus the "
+                "solve with them off (the last snapshot: the solve with all on "
+                f"({t_on:.2f} s), minus the others)"
+                if timing == "snapshot"
+                else f"(the solve with all on ({t_on:.2f} s) - the solve with all off) / snapshots"
+            )
+            + ". The same compiled program runs each time (a traced flag and lax.cond switch "
+            "the analyses), so compilation is not counted."
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ The machinery lives in :mod:`jaxpm_halos.insitu`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from .insitu import REGISTRY, InSitu, Snapshot, check, register
 from .insitu.registry import Analysis
@@ -37,5 +37,3 @@ class Extension:
 
 
 EXTENSION = Extension("halos", REGISTRY, InSitu, register)
-
-

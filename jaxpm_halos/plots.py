@@ -45,15 +45,26 @@ multiplicity function of ``dn/dlog10 M`` above (``sigma`` at the snapshot's ``a`
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from . import units
 
-__all__ = ["FITS", "SHETH_TORMEN", "TINKER08_200M", "WATSON13_FOF", "fitting_function",
-           "linear_power", "mass_function_fit", "measured_mass_function", "plot_density_slice",
-           "plot_mass_function", "ratio_above", "sigma_of_mass"]
+__all__ = [
+    "FITS",
+    "SHETH_TORMEN",
+    "TINKER08_200M",
+    "WATSON13_FOF",
+    "fitting_function",
+    "linear_power",
+    "mass_function_fit",
+    "measured_mass_function",
+    "plot_density_slice",
+    "plot_mass_function",
+    "ratio_above",
+    "sigma_of_mass",
+]
 
 WATSON13_FOF = dict(A=0.282, alpha=2.163, beta=1.406, gamma=1.210)
 SHETH_TORMEN = dict(A=0.3222, a=0.707, p=0.3, delta_c=1.686)
@@ -85,8 +96,9 @@ def linear_power(cosmology, k, a: float = 1.0) -> np.ndarray:
     with warnings.catch_warnings():
         # jax_cosmo's growth ODE asks for int64 indices, which jax truncates to int32.
         warnings.filterwarnings("ignore", "Explicitly requested dtype.*int64", UserWarning)
-        pk = jc.power.linear_matter_power(_cosmology(cosmology), np.asarray(k, np.float32),
-                                          a=float(a))
+        pk = jc.power.linear_matter_power(
+            _cosmology(cosmology), np.asarray(k, np.float32), a=float(a)
+        )
     return np.asarray(pk, np.float64)
 
 
@@ -104,9 +116,10 @@ def sigma_of_mass(mass, cosmology, a: float = 1.0) -> np.ndarray:
     k = np.exp(lnk)
     pk = linear_power(cosmology, k, a)
     x = k[None, :] * radius.reshape(-1, 1)
-    w = np.where(x > 1e-3, 3 * (np.sin(x) - x * np.cos(x)) / np.maximum(x, 1e-3) ** 3,
-                 1 - x * x / 10)
-    integrand = k ** 3 * pk * w * w / (2 * np.pi ** 2)  # d sigma^2 / d ln k
+    w = np.where(
+        x > 1e-3, 3 * (np.sin(x) - x * np.cos(x)) / np.maximum(x, 1e-3) ** 3, 1 - x * x / 10
+    )
+    integrand = k**3 * pk * w * w / (2 * np.pi**2)  # d sigma^2 / d ln k
     var = np.trapezoid(integrand, lnk, axis=1)
     return np.sqrt(var).reshape(mass.shape)
 
@@ -118,22 +131,27 @@ def fitting_function(sigma, fit: str = "watson13", a: float = 1.0) -> np.ndarray
     sigma = np.asarray(sigma, np.float64)
     if fit == "watson13":
         p = WATSON13_FOF
-        return p["A"] * ((p["beta"] / sigma) ** p["alpha"] + 1) * np.exp(-p["gamma"] / sigma ** 2)
+        return p["A"] * ((p["beta"] / sigma) ** p["alpha"] + 1) * np.exp(-p["gamma"] / sigma**2)
     if fit == "sheth_tormen":
         p = SHETH_TORMEN
         nu = p["delta_c"] / sigma
-        return (p["A"] * np.sqrt(2 * p["a"] / np.pi) * (1 + (p["a"] * nu * nu) ** (-p["p"]))
-                * nu * np.exp(-p["a"] * nu * nu / 2))
+        return (
+            p["A"]
+            * np.sqrt(2 * p["a"] / np.pi)
+            * (1 + (p["a"] * nu * nu) ** (-p["p"]))
+            * nu
+            * np.exp(-p["a"] * nu * nu / 2)
+        )
     if fit == "tinker08":
         p = TINKER08_200M
         if not 0 < a <= 1:
             raise ValueError(f"tinker08 needs a scale factor in (0, 1], got a = {a}")
         zp1 = 1.0 / a
         alpha = 10 ** -((0.75 / math.log10(p["delta"] / 75)) ** 1.2)
-        amp = p["A0"] * zp1 ** -0.14
-        slope = p["a0"] * zp1 ** -0.06
-        b = p["b0"] * zp1 ** -alpha
-        return amp * ((sigma / b) ** -slope + 1) * np.exp(-p["c"] / sigma ** 2)
+        amp = p["A0"] * zp1**-0.14
+        slope = p["a0"] * zp1**-0.06
+        b = p["b0"] * zp1**-alpha
+        return amp * ((sigma / b) ** -slope + 1) * np.exp(-p["c"] / sigma**2)
     raise ValueError(f"unknown fit {fit!r}; use one of {FITS}")
 
 
@@ -165,8 +183,13 @@ def measured_mass_function(mass, box_size: float, bins) -> dict:
     count, _ = np.histogram(np.asarray(mass, np.float64), edges)
     width = np.diff(np.log10(edges))
     volume = float(box_size) ** 3
-    return {"edges": edges, "centres": np.sqrt(edges[1:] * edges[:-1]), "count": count,
-            "dndlog10m": count / (volume * width), "error": np.sqrt(count) / (volume * width)}
+    return {
+        "edges": edges,
+        "centres": np.sqrt(edges[1:] * edges[:-1]),
+        "count": count,
+        "dndlog10m": count / (volume * width),
+        "error": np.sqrt(count) / (volume * width),
+    }
 
 
 def _pyplot():
@@ -191,30 +214,66 @@ def _binned(mass, box_size, first, dex, cosmology, a, fits):
     curve_m = np.logspace(lo - 0.3, max(hi, lo + 1) + 0.5, 200)
     curves = {fit: mass_function_fit(curve_m, cosmology, a, fit) for fit in fits}
     for fit, curve in curves.items():  # log-log interpolation: exact to ~1e-4 in the tail
-        meas[fit] = np.exp(np.interp(np.log(meas["centres"]), np.log(curve_m),
-                                     np.log(np.maximum(curve, 1e-300))))
+        meas[fit] = np.exp(
+            np.interp(np.log(meas["centres"]), np.log(curve_m), np.log(np.maximum(curve, 1e-300)))
+        )
     return meas, curve_m, curves
 
 
-def _mass_panel(ax, rat, meas, curve_m, curves, labels, reference, point_label, colour,
-                particle_mass, box_size, dex):
+def _mass_panel(
+    ax,
+    rat,
+    meas,
+    curve_m,
+    curves,
+    labels,
+    reference,
+    point_label,
+    colour,
+    particle_mass,
+    box_size,
+    dex,
+):
     for (fit, curve), (label, style) in zip(curves.items(), labels):
         ax.loglog(curve_m, curve, style, lw=1.5 if fit == reference else 1, label=label)
     ok = meas["count"] > 0
-    ax.errorbar(meas["centres"][ok], meas["dndlog10m"][ok], yerr=meas["error"][ok], fmt="o",
-                color=colour, ms=4, capsize=2, label=point_label)
+    ax.errorbar(
+        meas["centres"][ok],
+        meas["dndlog10m"][ok],
+        yerr=meas["error"][ok],
+        fmt="o",
+        color=colour,
+        ms=4,
+        capsize=2,
+        label=point_label,
+    )
     ratio = meas["dndlog10m"] / meas[reference]
-    rat.errorbar(meas["centres"][ok], ratio[ok], yerr=(meas["error"] / meas[reference])[ok],
-                 fmt="o", color=colour, ms=4, capsize=2)
+    rat.errorbar(
+        meas["centres"][ok],
+        ratio[ok],
+        yerr=(meas["error"] / meas[reference])[ok],
+        fmt="o",
+        color=colour,
+        ms=4,
+        capsize=2,
+    )
     rat.axhline(1, color="k", lw=1)
     rat.set_xscale("log")
     rat.set_ylim(0, 2)
     for axis in (ax, rat):
         axis.axvline(100 * particle_mass, color="0.6", ls=":", lw=1)
-    ax.text(100 * particle_mass, 0.03, "100 particles ", color="0.4", fontsize=8, ha="right",
-            va="bottom", transform=ax.get_xaxis_transform())
+    ax.text(
+        100 * particle_mass,
+        0.03,
+        "100 particles ",
+        color="0.4",
+        fontsize=8,
+        ha="right",
+        va="bottom",
+        transform=ax.get_xaxis_transform(),
+    )
     rat.set_xlabel(r"$M$  [$h^{-1}M_\odot$]")
-    floor = 0.3 / (box_size ** 3 * dex)
+    floor = 0.3 / (box_size**3 * dex)
     top = max(max(c.max() for c in curves.values()), meas["dndlog10m"].max(initial=0)) * 2
     ax.set_ylim(floor, top)
     ax.set_xlim(curve_m[0], curve_m[-1])
@@ -229,9 +288,11 @@ def _whole_particles(mass, particle_mass):
     mass = np.asarray(mass, np.float64)
     bad = int(np.count_nonzero(~(np.isfinite(mass) & (mass >= 0))))
     if bad:  # a NaN would silently leave the binning range undefined
-        raise ValueError(f"mass holds {bad} NaN, inf or negative values; pass the haloes' "
-                         "masses in Msun/h (a catalogue's padding rows weigh 0 and are "
-                         "left out of the bins)")
+        raise ValueError(
+            f"mass holds {bad} NaN, inf or negative values; pass the haloes' "
+            "masses in Msun/h (a catalogue's padding rows weigh 0 and are "
+            "left out of the bins)"
+        )
     if particle_mass is None:
         return mass
     if not (np.ndim(particle_mass) == 0 and 0 < float(particle_mass) < math.inf):
@@ -239,9 +300,17 @@ def _whole_particles(mass, particle_mass):
     return np.rint(mass / particle_mass) * particle_mass
 
 
-def ratio_above(mass, *, box_size: float, cosmology, a: float = 1.0, fit: str = "watson13",
-                min_mass: float, max_mass: float | None = None,
-                particle_mass: float | None = None) -> dict:
+def ratio_above(
+    mass,
+    *,
+    box_size: float,
+    cosmology,
+    a: float = 1.0,
+    fit: str = "watson13",
+    min_mass: float,
+    max_mass: float | None = None,
+    particle_mass: float | None = None,
+) -> dict:
     """The number of haloes with ``min_mass <= mass < max_mass`` (Msun/h) against ``fit``.
 
     Returns ``{"count", "expected", "ratio", "error"}`` with ``expected = V \\int dn/dlog10M
@@ -256,16 +325,31 @@ def ratio_above(mass, *, box_size: float, cosmology, a: float = 1.0, fit: str = 
     top = 1000 * min_mass if max_mass is None else max_mass
     count = int(np.count_nonzero((mass >= min_mass) & (mass < top)))
     lgm = np.linspace(math.log10(min_mass), math.log10(top), 600)
-    dn = mass_function_fit(10 ** lgm, cosmology, a, fit)
+    dn = mass_function_fit(10**lgm, cosmology, a, fit)
     expected = float(np.trapezoid(dn, lgm)) * float(box_size) ** 3
-    return {"count": count, "expected": expected, "ratio": count / expected,
-            "error": math.sqrt(count) / expected}
+    return {
+        "count": count,
+        "expected": expected,
+        "ratio": count / expected,
+        "error": math.sqrt(count) / expected,
+    }
 
 
-def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0,
-                       particle_mass: float, min_members: int = 20, dex: float = 0.2,
-                       title: str | None = None, so_mass=None, so_definition: str = "200m",
-                       so_label: str | None = None) -> dict:
+def plot_mass_function(
+    path,
+    mass,
+    *,
+    box_size: float,
+    cosmology,
+    a: float = 1.0,
+    particle_mass: float,
+    min_members: int = 20,
+    dex: float = 0.2,
+    title: str | None = None,
+    so_mass=None,
+    so_definition: str = "200m",
+    so_label: str | None = None,
+) -> dict:
     """Plot the halo mass function of one snapshot against the Watson et al. 2013 FoF fit
     (and Sheth-Tormen), from jax_cosmo's linear power at scale factor ``a``; with
     ``so_mass``, beside it the spherical-overdensity masses against Tinker et al. 2008.
@@ -290,37 +374,67 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
     ``"so"`` the same for the SO masses (``"tinker08"``, ``"sheth_tormen"``).
     """
     if so_mass is not None and so_definition != "200m":
-        raise ValueError(f"plot_mass_function compares SO masses with Tinker et al. 2008 for "
-                         f"M200m; got so_definition={so_definition!r}")
+        raise ValueError(
+            f"plot_mass_function compares SO masses with Tinker et al. 2008 for "
+            f"M200m; got so_definition={so_definition!r}"
+        )
     plt = _pyplot()
     mass = _whole_particles(mass, particle_mass)
     first = min_members * particle_mass
-    meas, curve_m, curves = _binned(mass, box_size, first, dex, cosmology, a,
-                                    ("watson13", "sheth_tormen"))
+    meas, curve_m, curves = _binned(
+        mass, box_size, first, dex, cosmology, a, ("watson13", "sheth_tormen")
+    )
     columns = 1 if so_mass is None else 2
-    fig, axes = plt.subplots(2, columns, figsize=(6.4 * columns, 6.4), sharex="col",
-                             squeeze=False, gridspec_kw=dict(height_ratios=(3, 1), hspace=0.05,
-                                                             wspace=0.25))
-    _mass_panel(axes[0, 0], axes[1, 0], meas, curve_m, curves,
-                [("Watson et al. 2013 FoF fit", "k-"), ("Sheth & Tormen 1999", "k--")],
-                "watson13", f"in-situ FoF, {mass.size} halos ($\\geq${min_members} particles)",
-                "C3", particle_mass, box_size, dex)
+    fig, axes = plt.subplots(
+        2,
+        columns,
+        figsize=(6.4 * columns, 6.4),
+        sharex="col",
+        squeeze=False,
+        gridspec_kw=dict(height_ratios=(3, 1), hspace=0.05, wspace=0.25),
+    )
+    _mass_panel(
+        axes[0, 0],
+        axes[1, 0],
+        meas,
+        curve_m,
+        curves,
+        [("Watson et al. 2013 FoF fit", "k-"), ("Sheth & Tormen 1999", "k--")],
+        "watson13",
+        f"in-situ FoF, {mass.size} halos ($\\geq${min_members} particles)",
+        "C3",
+        particle_mass,
+        box_size,
+        dex,
+    )
     axes[0, 0].set_ylabel(r"$dn/d\log_{10}M$  [$(h^{-1}\mathrm{Mpc})^{-3}$]")
     axes[1, 0].set_ylabel("sim / Watson")
-    axes[0, 0].set_title("FoF (b = 0.2) mass" if columns == 2 else
-                         (title or f"halo mass function, a = {a:.3g} (z = {1 / a - 1:.2f})"),
-                         fontsize=10)
+    axes[0, 0].set_title(
+        "FoF (b = 0.2) mass"
+        if columns == 2
+        else (title or f"halo mass function, a = {a:.3g} (z = {1 / a - 1:.2f})"),
+        fontsize=10,
+    )
     if so_mass is not None:
         so_all = np.asarray(so_mass, np.float64).reshape(-1)
         so = _whole_particles(so_all[np.isfinite(so_all) & (so_all > 0)], particle_mass)
-        meas_so, curve_so, curves_so = _binned(so, box_size, first, dex, cosmology, a,
-                                               ("tinker08", "sheth_tormen"))
-        _mass_panel(axes[0, 1], axes[1, 1], meas_so, curve_so, curves_so,
-                    [("Tinker et al. 2008, $\\Delta$ = 200m", "k-"),
-                     ("Sheth & Tormen 1999", "k--")], "tinker08",
-                    so_label or f"M200m of the FoF haloes ({so.size} of {so_all.size} > 0)",
-                    "C0", particle_mass,
-                    box_size, dex)
+        meas_so, curve_so, curves_so = _binned(
+            so, box_size, first, dex, cosmology, a, ("tinker08", "sheth_tormen")
+        )
+        _mass_panel(
+            axes[0, 1],
+            axes[1, 1],
+            meas_so,
+            curve_so,
+            curves_so,
+            [("Tinker et al. 2008, $\\Delta$ = 200m", "k-"), ("Sheth & Tormen 1999", "k--")],
+            "tinker08",
+            so_label or f"M200m of the FoF haloes ({so.size} of {so_all.size} > 0)",
+            "C0",
+            particle_mass,
+            box_size,
+            dex,
+        )
         axes[1, 1].set_ylabel("sim / Tinker")
         axes[0, 1].set_title("spherical overdensity $M_{200m}$", fontsize=10)
         meas["so"] = meas_so
@@ -331,10 +445,20 @@ def plot_mass_function(path, mass, *, box_size: float, cosmology, a: float = 1.0
     return meas
 
 
-def plot_density_slice(path, pos, *, box_size: float, halo_pos=None, halo_mass=None,
-                       axis: int = 2, thickness: float | None = None, start: float = 0.0,
-                       bins: int = 128, max_halos: int | None = None,
-                       title: str | None = None) -> dict:
+def plot_density_slice(
+    path,
+    pos,
+    *,
+    box_size: float,
+    halo_pos=None,
+    halo_mass=None,
+    axis: int = 2,
+    thickness: float | None = None,
+    start: float = 0.0,
+    bins: int = 128,
+    max_halos: int | None = None,
+    title: str | None = None,
+) -> dict:
     """Projected density of a slab, with the halos whose centres lie in it.
 
     The slab holds the particles with ``start <= pos[:, axis] < start + thickness``
@@ -351,12 +475,18 @@ def plot_density_slice(path, pos, *, box_size: float, halo_pos=None, halo_mass=N
     others = [d for d in range(3) if d != axis]
     in_slab = lambda p: np.mod(p[:, axis] - start, box_size) < thickness
     slab = pos[in_slab(pos)]
-    hist, xe, ye = np.histogram2d(slab[:, others[0]], slab[:, others[1]], bins=bins,
-                                  range=[[0, box_size], [0, box_size]])
+    hist, xe, ye = np.histogram2d(
+        slab[:, others[0]], slab[:, others[1]], bins=bins, range=[[0, box_size], [0, box_size]]
+    )
     image = np.log10(hist / max(hist.mean(), 1e-30) + 1)
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
-    im = ax.imshow(image.T, origin="lower", extent=(0, box_size, 0, box_size), cmap="magma",
-                   interpolation="nearest")
+    im = ax.imshow(
+        image.T,
+        origin="lower",
+        extent=(0, box_size, 0, box_size),
+        cmap="magma",
+        interpolation="nearest",
+    )
     fig.colorbar(im, ax=ax, label=r"$\log_{10}(1 + \Sigma/\bar\Sigma)$")
     n_halos = 0
     if halo_pos is not None and len(halo_pos):
@@ -370,17 +500,22 @@ def plot_density_slice(path, pos, *, box_size: float, halo_pos=None, halo_mass=N
         n_halos = len(hm)
         if n_halos:
             size = 40 * (hm / hm.min()) ** (2 / 3)  # marker area ~ R^2 ~ M^(2/3)
-            ax.scatter(hp[:, others[0]], hp[:, others[1]], s=size, facecolors="none",
-                       edgecolors="cyan", linewidths=0.8,
-                       label=f"FoF halos in slab ({n_halos}), area $\\propto M^{{2/3}}$")
+            ax.scatter(
+                hp[:, others[0]],
+                hp[:, others[1]],
+                s=size,
+                facecolors="none",
+                edgecolors="cyan",
+                linewidths=0.8,
+                label=f"FoF halos in slab ({n_halos}), area $\\propto M^{{2/3}}$",
+            )
             ax.legend(loc="upper right", fontsize=8, framealpha=0.6)
     names = "xyz"
     ax.set_xlabel(f"{names[others[0]]}  [Mpc/h]")
     ax.set_ylabel(f"{names[others[1]]}  [Mpc/h]")
     ax.set_xlim(0, box_size)
     ax.set_ylim(0, box_size)
-    ax.set_title(title or f"{names[axis]} in [{start:g}, {start + thickness:g}) Mpc/h",
-                 fontsize=10)
+    ax.set_title(title or f"{names[axis]} in [{start:g}, {start + thickness:g}) Mpc/h", fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return {"image": image, "halos_in_slab": n_halos, "particles_in_slab": len(slab)}

@@ -11,10 +11,10 @@ their device's block.
 This module imports jaxpm, jaxdecomp and jax_cosmo when its functions are called.
 """
 
-
 from __future__ import annotations
 
 import math
+
 
 def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
     """``f(a, y, cosmo)`` for ``diffrax.ODETerm``: JaxPM's PM equations on a grid of
@@ -52,9 +52,17 @@ def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
     import jax
     import jax.numpy as jnp
     import jax_cosmo as jc
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxpm.distributed import (autoshmap, fft3d, get_halo_size, halo_exchange, ifft3d,
-                                   slice_pad, slice_unpad)
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from jaxpm.distributed import (
+        autoshmap,
+        fft3d,
+        get_halo_size,
+        halo_exchange,
+        ifft3d,
+        slice_pad,
+        slice_unpad,
+    )
     from jaxpm.kernels import fftk, gradient_kernel, invlaplace_kernel, longrange_kernel
 
     mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
@@ -89,18 +97,24 @@ def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
     def read(grid, pos):
         grid = slice_pad(grid, read_pad, sharding)
         grid = halo_exchange(grid, halo_extents=extents, halo_periods=(True, True))
-        return autoshmap(local_read, gpu_mesh=mesh, in_specs=(spec, spec),
-                         out_specs=spec)(grid, pos)
+        return autoshmap(local_read, gpu_mesh=mesh, in_specs=(spec, spec), out_specs=spec)(
+            grid, pos
+        )
 
     def ode(a, state, cosmo):
         pos, mom = state[0], state[1]
         delta_k = fft3d(paint(pos))
         kvec = fftk(delta_k)
         pot_k = delta_k * invlaplace_kernel(kvec) * longrange_kernel(kvec, r_split=0)
-        forces = jnp.stack([read(ifft3d(-gradient_kernel(kvec, i) * pot_k), pos)
-                            for i in range(3)], axis=-1) * 1.5 * cosmo.Omega_m
+        forces = (
+            jnp.stack(
+                [read(ifft3d(-gradient_kernel(kvec, i) * pot_k), pos) for i in range(3)], axis=-1
+            )
+            * 1.5
+            * cosmo.Omega_m
+        )
         e = jnp.sqrt(jc.background.Esqr(cosmo, a))
-        return jnp.stack([mom / (a ** 3 * e), forces / (a ** 2 * e)])
+        return jnp.stack([mom / (a**3 * e), forces / (a**2 * e)])
 
     ode.paint = paint  # for tests: the PM density (mean 1)
     return ode

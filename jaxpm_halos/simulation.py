@@ -11,7 +11,6 @@ This module imports jaxpm, jaxdecomp, jax_cosmo and diffrax when its functions a
 ``import jaxpm_halos`` does not.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -19,10 +18,10 @@ import math
 import os
 import time
 import warnings
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from .pm import default_halo_size, refined_pm_ode
-
 
 HOST_DEVICES = 8
 
@@ -86,13 +85,27 @@ class SimulationResult:
     paint_absolute_pos: bool = False
 
 
-def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] = (), mesh=None,
-                   saveat_fn: Callable | None = None, *, seed: int = 0, a_init: float = 0.1,
-                   a_final: float = 1.0, omega_c: float = 0.25, sigma8: float = 0.8,
-                   lpt_order: int = 2, halo_size: int | None = None,
-                   progress: bool = False, initial_field=None,
-                   saveat_inputs=None, pm_nc: int | None = None,
-                   paint_absolute_pos: bool | None = None) -> SimulationResult:
+def run_simulation(
+    nc: int,
+    box: float,
+    steps: int,
+    snapshots: Sequence[float] = (),
+    mesh=None,
+    saveat_fn: Callable | None = None,
+    *,
+    seed: int = 0,
+    a_init: float = 0.1,
+    a_final: float = 1.0,
+    omega_c: float = 0.25,
+    sigma8: float = 0.8,
+    lpt_order: int = 2,
+    halo_size: int | None = None,
+    progress: bool = False,
+    initial_field=None,
+    saveat_inputs=None,
+    pm_nc: int | None = None,
+    paint_absolute_pos: bool | None = None,
+) -> SimulationResult:
     """Run a JaxPM particle-mesh simulation of ``nc**3`` particles in a box of side ``box`` Mpc/h.
 
     Initial conditions: a Gaussian linear field for ``jax_cosmo.Planck15(Omega_c=omega_c,
@@ -159,10 +172,22 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
     mesh, sharding, block = _distribution(mesh, nc, pm_nc)
     if halo_size is None:
         halo_size = default_halo_size(pm_nc, box, block * pm_nc // nc)
-    pm = _PMSetup(nc, pm_nc, box, a_init, lpt_order, halo_size, default_halo_size(nc, box, block),
-                  sharding, mesh,
-                  "jaxpm" if not paint_absolute_pos else
-                  "jaxpm_absolute" if pm_nc == nc and sharding is None else "refined")
+    pm = _PMSetup(
+        nc,
+        pm_nc,
+        box,
+        a_init,
+        lpt_order,
+        halo_size,
+        default_halo_size(nc, box, block),
+        sharding,
+        mesh,
+        "jaxpm"
+        if not paint_absolute_pos
+        else "jaxpm_absolute"
+        if pm_nc == nc and sharding is None
+        else "refined",
+    )
     snapshots = tuple(float(a) for a in snapshots)
     if any(not a_init <= a <= a_final for a in snapshots):
         raise ValueError(f"snapshots {snapshots} must lie in [{a_init}, {a_final}]")
@@ -173,8 +198,9 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
         cosmo = jc.Planck15(Omega_c=omega_c, sigma8=sigma8)
         field = pm.linear_field(seed, initial_field, omega_c, sigma8)
         y0, ode = pm.initial_state(cosmo, field)
-        return _solve(pm, ode, y0, cosmo, a_final, steps, snapshots, saveat_fn, saveat_inputs,
-                      progress)
+        return _solve(
+            pm, ode, y0, cosmo, a_final, steps, snapshots, saveat_fn, saveat_inputs, progress
+        )
 
     t = time.perf_counter()
     with warnings.catch_warnings():
@@ -203,15 +229,31 @@ def run_simulation(nc: int, box: float, steps: int, snapshots: Sequence[float] =
         return final, saved, seconds
 
     final, saved, run_s = rerun()
-    return SimulationResult(final, snapshots, saved, a_final, mesh, sharding, float(box), nc,
-                            omega_m, halo_size, compile_s, run_s, rerun, compiled,
-                            pm_nc=pm_nc, paint_absolute_pos=bool(paint_absolute_pos))
+    return SimulationResult(
+        final,
+        snapshots,
+        saved,
+        a_final,
+        mesh,
+        sharding,
+        float(box),
+        nc,
+        omega_m,
+        halo_size,
+        compile_s,
+        run_s,
+        rerun,
+        compiled,
+        pm_nc=pm_nc,
+        paint_absolute_pos=bool(paint_absolute_pos),
+    )
 
 
 def _distribution(mesh, nc: int, pm_nc: int):
     """``(mesh, sharding, block)``: the mesh (None for one device), the sharding of the
     ``(nc, nc, nc, ...)`` grids and the smallest lattice block side of a device."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     if mesh is None or mesh.size == 1:
         return None, None, nc
@@ -252,15 +294,23 @@ class _PMSetup(NamedTuple):
         from jaxpm.pm import linear_field
 
         if initial_field is not None:
-            return (initial_field if self.sharding is None
-                    else jax.lax.with_sharding_constraint(initial_field, self.sharding))
+            return (
+                initial_field
+                if self.sharding is None
+                else jax.lax.with_sharding_constraint(initial_field, self.sharding)
+            )
         # A Cosmology object of its own: jax_cosmo caches its background in the object, and
         # sharing one between the power spectrum and lpt fails (KeyError: 'h').
         k = jnp.logspace(-4, 1, 128)
         pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=omega_c, sigma8=sigma8), k)
         pk_fn = lambda x: interpolate_power_spectrum(x, k, pk, self.sharding)  # noqa: E731
-        return linear_field((self.nc,) * 3, [self.box] * 3, pk_fn, seed=jax.random.PRNGKey(seed),
-                            sharding=self.sharding)
+        return linear_field(
+            (self.nc,) * 3,
+            [self.box] * 3,
+            pk_fn,
+            seed=jax.random.PRNGKey(seed),
+            sharding=self.sharding,
+        )
 
     def initial_state(self, cosmo, field):
         """``(y0, ode)``: the LPT state at ``a_init`` (stacked ``(2, nc, nc, nc, 3)``) in
@@ -272,24 +322,48 @@ class _PMSetup(NamedTuple):
 
         mesh_shape = (self.nc,) * 3
         if self.engine == "jaxpm":
-            dx, p, _ = lpt(cosmo, field, a=self.a_init, order=self.lpt_order,
-                           halo_size=self.halo_size, sharding=self.sharding)
-            return jnp.stack([dx, p], axis=0), diffrax.ODETerm(make_diffrax_ode(
-                mesh_shape, paint_absolute_pos=False, halo_size=self.halo_size,
-                sharding=self.sharding))
+            dx, p, _ = lpt(
+                cosmo,
+                field,
+                a=self.a_init,
+                order=self.lpt_order,
+                halo_size=self.halo_size,
+                sharding=self.sharding,
+            )
+            return jnp.stack([dx, p], axis=0), diffrax.ODETerm(
+                make_diffrax_ode(
+                    mesh_shape,
+                    paint_absolute_pos=False,
+                    halo_size=self.halo_size,
+                    sharding=self.sharding,
+                )
+            )
         if self.engine == "jaxpm_absolute":
             q = uniform_particles(mesh_shape).astype(field.dtype)
             dx, p, _ = lpt(cosmo, field, q, a=self.a_init, order=self.lpt_order)
-            return (jnp.stack([q + dx, p], axis=0),
-                    diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=True)))
+            return (
+                jnp.stack([q + dx, p], axis=0),
+                diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=True)),
+            )
         # 2LPT on the particle lattice (JaxPM's displacement mode), then PM cells
-        dx, p, _ = lpt(cosmo, field, a=self.a_init, order=self.lpt_order,
-                       halo_size=self.lpt_halo, sharding=self.sharding)
+        dx, p, _ = lpt(
+            cosmo,
+            field,
+            a=self.a_init,
+            order=self.lpt_order,
+            halo_size=self.lpt_halo,
+            sharding=self.sharding,
+        )
         q = uniform_particles(mesh_shape, self.sharding).astype(dx.dtype)
         factor = jnp.asarray(self.pm_nc / self.nc, dx.dtype)
-        return (jnp.stack([factor * (q + dx), factor * p], axis=0),
-                diffrax.ODETerm(refined_pm_ode(self.nc, self.pm_nc, halo_size=self.halo_size,
-                                               sharding=self.sharding)))
+        return (
+            jnp.stack([factor * (q + dx), factor * p], axis=0),
+            diffrax.ODETerm(
+                refined_pm_ode(
+                    self.nc, self.pm_nc, halo_size=self.halo_size, sharding=self.sharding
+                )
+            ),
+        )
 
 
 def _saveat_of(saveat_fn, snapshots: tuple, saveat_inputs):
@@ -300,20 +374,33 @@ def _saveat_of(saveat_fn, snapshots: tuple, saveat_inputs):
     if not isinstance(saveat_fn, InSitu):
         return saveat_fn
     if saveat_inputs is not None:
-        raise ValueError("an InSitu saveat_fn takes no saveat_inputs; to switch its analyses "
-                         "on and off pass saveat_fn=switchable_saveat_fn(insitu, snapshots)")
+        raise ValueError(
+            "an InSitu saveat_fn takes no saveat_inputs; to switch its analyses "
+            "on and off pass saveat_fn=switchable_saveat_fn(insitu, snapshots)"
+        )
     insitu = saveat_fn
     return lambda a, y, cosmo: insitu(y, a, times=snapshots)  # noqa: E731
 
 
-def _solve(pm: _PMSetup, ode, y0, cosmo, a_final: float, steps: int, snapshots: tuple,
-           saveat_fn, saveat_inputs, progress: bool):
+def _solve(
+    pm: _PMSetup,
+    ode,
+    y0,
+    cosmo,
+    a_final: float,
+    steps: int,
+    snapshots: tuple,
+    saveat_fn,
+    saveat_inputs,
+    progress: bool,
+):
     """``(final state, saved, ok)``: ``steps`` equal LeapfrogMidpoint steps in ``a`` from
     ``y0``, with ``saveat_fn`` (or the state) at ``snapshots``."""
     import diffrax
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     subs = [diffrax.SubSaveAt(t1=True)]
     if snapshots:
@@ -322,15 +409,22 @@ def _solve(pm: _PMSetup, ode, y0, cosmo, a_final: float, steps: int, snapshots: 
             fn = lambda t, y, args: saveat_fn(t, y, args, saveat_inputs)  # noqa: E731
         subs.append(diffrax.SubSaveAt(ts=jnp.asarray(snapshots), fn=_pinned(fn)))
     sol = diffrax.diffeqsolve(
-        ode, diffrax.LeapfrogMidpoint(), t0=pm.a_init, t1=a_final, dt0=None,
-        y0=y0, args=cosmo, saveat=diffrax.SaveAt(subs=subs),
+        ode,
+        diffrax.LeapfrogMidpoint(),
+        t0=pm.a_init,
+        t1=a_final,
+        dt0=None,
+        y0=y0,
+        args=cosmo,
+        saveat=diffrax.SaveAt(subs=subs),
         stepsize_controller=diffrax.StepTo(ts=jnp.linspace(pm.a_init, a_final, steps + 1)),
         max_steps=steps,
         # throw=True would route the whole solution through an equinox error check, a
         # host callback on device 0: the state gets gathered there and comes back
         # replicated. Check the result ourselves instead.
         throw=False,
-        progress_meter=diffrax.TextProgressMeter() if progress else diffrax.NoProgressMeter())
+        progress_meter=diffrax.TextProgressMeter() if progress else diffrax.NoProgressMeter(),
+    )
     final, saved = sol.ys[0][0], (sol.ys[1] if snapshots else None)
     if pm.sharding is not None:
         # Keep JaxPM's layout: left alone, XLA may replicate the outputs.
@@ -338,7 +432,8 @@ def _solve(pm: _PMSetup, ode, y0, cosmo, a_final: float, steps: int, snapshots: 
         final = jax.lax.with_sharding_constraint(final, NamedSharding(pm.mesh, P(None, *axes)))
         if snapshots and saveat_fn is None:
             saved = jax.lax.with_sharding_constraint(
-                saved, NamedSharding(pm.mesh, P(None, None, *axes)))
+                saved, NamedSharding(pm.mesh, P(None, None, *axes))
+            )
     return final, saved, sol.result == diffrax.RESULTS.successful
 
 
@@ -390,19 +485,31 @@ def describe_layout(particles, a=None) -> dict:
             stray = max(stray, float(dist.max()))
             inside &= ok
         out = int(np.count_nonzero(~inside))
-        blocks.append(dict(device=shard.device.id, block=list(pos.shape[:-1]),
-                           lattice=[list(v) for v in lattice], outside_fraction=out / inside.size))
+        blocks.append(
+            dict(
+                device=shard.device.id,
+                block=list(pos.shape[:-1]),
+                lattice=[list(v) for v in lattice],
+                outside_fraction=out / inside.size,
+            )
+        )
         outside += out
         total += inside.size
     pos = particles.pos
     mesh = getattr(sharding, "mesh", None)
     return dict(
-        nc=nc, box_size=box, a=a, particles=int(particles.num),
+        nc=nc,
+        box_size=box,
+        a=a,
+        particles=int(particles.num),
         mesh=None if mesh is None else dict(mesh.shape),
         sharding=str(getattr(sharding, "spec", sharding)),
         pos_min=[float(v) for v in pos.min(axis=(0, 1, 2))],
         pos_max=[float(v) for v in pos.max(axis=(0, 1, 2))],
-        devices=blocks, outside_fraction=outside / total, max_stray_cells=stray)
+        devices=blocks,
+        outside_fraction=outside / total,
+        max_stray_cells=stray,
+    )
 
 
 def demo_cosmology(omega_c: float = 0.25, sigma8: float = 0.8) -> dict:
@@ -411,14 +518,17 @@ def demo_cosmology(omega_c: float = 0.25, sigma8: float = 0.8) -> dict:
     import jax_cosmo as jc
 
     cosmo = jc.Planck15(Omega_c=omega_c, sigma8=sigma8)
-    return {k: float(getattr(cosmo, k)) for k in
-            ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")}
+    return {
+        k: float(getattr(cosmo, k))
+        for k in ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
+    }
 
 
 def switchable_saveat_fn(insitu, snapshots):
     """``saveat_fn(a, y, cosmo, on)`` for :func:`run_simulation`: runs
-    ``insitu(y, a, times=snapshots)`` at snapshot ``i`` when the traced flag ``on[i]`` is true, and returns zeros of the same
-    structure (skipping the analyses, through ``lax.cond``) when it is false.
+    ``insitu(y, a, times=snapshots)`` at snapshot ``i`` when the traced flag ``on[i]`` is
+    true, and returns zeros of the same structure (skipping the analyses, through
+    ``lax.cond``) when it is false.
 
     The same compiled solve then runs with the analyses on or off, which is how the demo
     times the analyses against the PM steps without compiling twice.

@@ -27,8 +27,7 @@ from .core.particles import check_scale_factor
 RHO_CRIT = 2.775e11  # h^2 Msun / Mpc^3
 H0 = 100.0  # km/s / (Mpc/h)
 
-__all__ = ["H0", "RHO_CRIT", "grid_to_mpc", "momentum_to_velocity", "particle_mass",
-           "so_density"]
+__all__ = ["H0", "RHO_CRIT", "grid_to_mpc", "momentum_to_velocity", "particle_mass", "so_density"]
 
 
 def particle_mass(omega_m, box_size, nc):
@@ -133,7 +132,8 @@ def so_density(definition: str, *, omega_m, a=1.0):
         raise ValueError(f"an SO definition is a string such as '200c', got {definition!r}")
     # Any concrete value (numpy and jax scalars too); a traced one cannot raise.
     if not isinstance(omega_m, jax.core.Tracer) and not np.all(
-            (np.asarray(omega_m) > 0) & (np.asarray(omega_m) <= 1)):
+        (np.asarray(omega_m) > 0) & (np.asarray(omega_m) <= 1)
+    ):
         raise ValueError(f"omega_m must lie in (0, 1] for flat LCDM, got {omega_m}")
     check_scale_factor(a)
     if isinstance(a, jax.core.Tracer) or isinstance(omega_m, jax.core.Tracer):
@@ -149,11 +149,13 @@ def _so_density(definition: str, omega_m, a):
     if definition == "vir":
         omega_a = omega_m / (omega_m + (1 - omega_m) * a3)
         x = omega_a - 1
-        return (18 * math.pi ** 2 + 82 * x - 39 * x * x) * critical
+        return (18 * math.pi**2 + 82 * x - 39 * x * x) * critical
     match = _OVERDENSITY.match(definition)
     if match is None:
-        raise ValueError(f"unknown SO definition {definition!r}: use '200c', '500c', '200m', "
-                         "'vir', or '<Delta>c' / '<Delta>m'")
+        raise ValueError(
+            f"unknown SO definition {definition!r}: use '200c', '500c', '200m', "
+            "'vir', or '<Delta>c' / '<Delta>m'"
+        )
     delta = float(match.group(1))
     if not delta > 0:
         raise ValueError(f"SO definition {definition!r}: Delta must be positive")

@@ -37,8 +37,9 @@ def missing(*modules):
 def requires(*modules):
     """Skip the test when any of ``modules`` is not installed."""
     absent = missing(*modules)
-    return pytest.mark.skipif(bool(absent), reason=f"needs {', '.join(absent)} "
-                              "(the pinned JaxPM stack: pip install -e .)")
+    return pytest.mark.skipif(
+        bool(absent), reason=f"needs {', '.join(absent)} (the pinned JaxPM stack: pip install -e .)"
+    )
 
 
 requires_jaxpm = requires(*JAXPM_STACK)
@@ -55,8 +56,9 @@ def _release_compiled_programs():
     gc.collect()
 
 
-@pytest.fixture(scope="session", params=mesh_params(MESH_SHAPES + [(1, 1)]),
-                ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.fixture(
+    scope="session", params=mesh_params(MESH_SHAPES + [(1, 1)]), ids=lambda s: f"mesh{s[0]}x{s[1]}"
+)
 def mesh(request):
     return make_mesh(request.param)
 
@@ -72,6 +74,8 @@ def jaxpm_snapshot_32():
 
     absent = missing(*JAXPM_STACK)
     if absent and not cache_path(32, 32.0, 10, 0, (2, 4)).exists():
-        pytest.skip(f"the 32^3 JaxPM snapshot is not cached and {', '.join(absent)} "
-                    "is not installed to make it (the pinned JaxPM stack: pip install -e .)")
+        pytest.skip(
+            f"the 32^3 JaxPM snapshot is not cached and {', '.join(absent)} "
+            "is not installed to make it (the pinned JaxPM stack: pip install -e .)"
+        )
     return jaxpm_snapshot(32, 32.0, 10)

@@ -36,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from conftest import MESH_SHAPES, make_mesh  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
+from test_knn import _check_exact  # noqa: E402
 
 import jaxpm_halos as jh  # noqa: E402
 from jaxpm_halos.testing import reference as ref  # noqa: E402
-from conftest import MESH_SHAPES, make_mesh  # noqa: E402
-from test_knn import _check_exact  # noqa: E402
 
 CONFIGS = {"DomainConfig": jh.DomainConfig, "FoFConfig": jh.FoFConfig, "KNNConfig": jh.KNNConfig}
 
@@ -57,14 +58,25 @@ def layout(seed, n, box, link):
     for _ in range(rng.integers(0, 3)):
         start, direction = rng.uniform(0, box, 3), rng.normal(size=3)
         steps = int(rng.uniform(0.2, 1.5) * box / (0.9 * link))
-        parts.append(start + np.outer(np.arange(steps) * 0.9 * link,
-                                      direction / np.linalg.norm(direction)))
+        parts.append(
+            start + np.outer(np.arange(steps) * 0.9 * link, direction / np.linalg.norm(direction))
+        )
     for _ in range(rng.integers(0, 4)):
         source = np.concatenate(parts)
         parts.append(np.repeat(source[rng.integers(len(source))][None], rng.integers(2, 30), 0))
     below = float(np.nextafter(np.float32(box), np.float32(0)))
-    parts.append(np.array([[0, 0, 0], [box, box, box], [box, 0, box / 2], [0, box / 2, box],
-                           [-1e-6, box / 3, box + 1e-6], [below] * 3]))
+    parts.append(
+        np.array(
+            [
+                [0, 0, 0],
+                [box, box, box],
+                [box, 0, box / 2],
+                [0, box / 2, box],
+                [-1e-6, box / 3, box + 1e-6],
+                [below] * 3,
+            ]
+        )
+    )
     pos = np.concatenate(parts)[: n - 100]
     pos = np.concatenate([pos, rng.uniform(0, box, (n - len(pos), 3))])
     rng.shuffle(pos)
@@ -126,14 +138,17 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--box", type=float, default=16.0)
     parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--paste", action="store_true",
-                        help="grow=False, pasting each suggestion instead of growing")
+    parser.add_argument(
+        "--paste",
+        action="store_true",
+        help="grow=False, pasting each suggestion instead of growing",
+    )
     args = parser.parse_args(argv)
     box, k = args.box, args.k
     step = grid_step(box)
     link = float(np.sqrt(round((0.2 * box / args.n ** (1 / 3) / step) ** 2) + 0.5) * step)
     meshes = [make_mesh(shape) for shape in MESH_SHAPES] + [None]
-    mean = args.n / box ** 3
+    mean = args.n / box**3
     thresholds = {"200": 200 * mean, "1000": 1000 * mean}
     failures = grown = 0
 
@@ -152,31 +167,54 @@ def main(argv=None):
         first = None  # the first mesh's neighbours: every other mesh lists the same ids
         for mesh in meshes:
             # An N the devices cannot split evenly goes in unsharded (padded inside).
-            x = pos if mesh is None or args.n % mesh.size else jax.device_put(
-                pos, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+            x = (
+                pos
+                if mesh is None or args.n % mesh.size
+                else jax.device_put(pos, NamedSharding(mesh, P(tuple(mesh.axis_names))))
+            )
             where = "one device" if mesh is None else f"mesh {tuple(mesh.shape.values())}"
             try:
-                labels, cat = call(lambda c, **kw: jh.fof(
-                    x, box, link, min_members=5, mesh=mesh, so=thresholds, centre="peak",
-                    k=k, config=c, **kw), jh.FoFConfig())
+                labels, cat = call(
+                    lambda c, **kw: jh.fof(
+                        x,
+                        box,
+                        link,
+                        min_members=5,
+                        mesh=mesh,
+                        so=thresholds,
+                        centre="peak",
+                        k=k,
+                        config=c,
+                        **kw,
+                    ),
+                    jh.FoFConfig(),
+                )
                 wrong = int(np.sum(np.asarray(labels) != want))
                 assert wrong == 0, f"FoF: {wrong} labels differ from scipy's"
-                dist, idx = call(lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw),
-                                 jh.KNNConfig())
+                dist, idx = call(
+                    lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw), jh.KNNConfig()
+                )
                 _check_exact(pos, box, k, dist, idx)
                 dist, idx = np.asarray(dist), np.asarray(idx)
                 first = (dist, idx) if first is None else first
                 differ = int(np.sum(idx != first[1]) + np.sum(dist != first[0]))
                 assert differ == 0, f"kNN: {differ} distances or ids differ between meshes"
-                _check_peaks_and_so(pos, box, np.asarray(labels), cat.to_numpy(),
-                                    np.asarray(dist)[:, k - 1], thresholds)
+                _check_peaks_and_so(
+                    pos,
+                    box,
+                    np.asarray(labels),
+                    cat.to_numpy(),
+                    np.asarray(dist)[:, k - 1],
+                    thresholds,
+                )
             except Exception as error:  # noqa: BLE001 - every exception is a failure here
                 failures += 1
                 print(f"seed {seed}, {where}: {type(error).__name__}: {error}", flush=True)
         if seed % 4 == 3:
             jh.clear_caches()  # compiled programs hold memory maps (docs/capacities.md)
-        print(f"seed {seed}: {len(np.unique(want))} groups, {time.time() - start:.0f} s",
-              flush=True)
+        print(
+            f"seed {seed}: {len(np.unique(want))} groups, {time.time() - start:.0f} s", flush=True
+        )
     print(f"{failures} failures" + ("" if args.paste else f", {grown} calls grew buffers"))
     return 1 if failures else 0
 

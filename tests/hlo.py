@@ -7,8 +7,10 @@ import re
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _NAME = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = ")
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
-_CALLED = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|"
-                     r"false_computation)=%?([\w.\-]+)")
+_CALLED = re.compile(
+    r"\b(?:body|condition|to_apply|calls|true_computation|"
+    r"false_computation)=%?([\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
@@ -27,7 +29,7 @@ def _opcode(line):
     i = name.end()
     if line[i] == "(":
         depth = 0
-        for i in range(i, len(line)):
+        for i in range(name.end(), len(line)):
             depth += {"(": 1, ")": -1}.get(line[i], 0)
             if depth == 0:
                 break
@@ -53,8 +55,9 @@ def parse(text):
             called += [c.strip().lstrip("%") for c in group.split(",")]
         op_name = _OP_NAME.search(line)
         body = _BODY.search(line)
-        current.append((op, op_name.group(1) if op_name else "", called,
-                        body.group(1) if body else None))
+        current.append(
+            (op, op_name.group(1) if op_name else "", called, body.group(1) if body else None)
+        )
     return comps
 
 

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import JAXPM_STACK, make_mesh, requires
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpm_halos
 
@@ -125,13 +126,23 @@ def final_state(field, sharding, halo, *, saveat=None, adjoint=None):
 
     cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
     dx, p, _ = lpt(cosmo, field, a=0.1, order=2, halo_size=halo, sharding=sharding)
-    ode = diffrax.ODETerm(make_diffrax_ode((NC,) * 3, paint_absolute_pos=False,
-                                           halo_size=halo, sharding=sharding))
+    ode = diffrax.ODETerm(
+        make_diffrax_ode((NC,) * 3, paint_absolute_pos=False, halo_size=halo, sharding=sharding)
+    )
     sol = diffrax.diffeqsolve(
-        ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=jnp.stack([dx, p]),
-        args=cosmo, saveat=saveat or diffrax.SaveAt(t1=True),
+        ode,
+        diffrax.LeapfrogMidpoint(),
+        t0=0.1,
+        t1=1.0,
+        dt0=None,
+        y0=jnp.stack([dx, p]),
+        args=cosmo,
+        saveat=saveat or diffrax.SaveAt(t1=True),
         stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, STEPS + 1)),
-        max_steps=STEPS, throw=False, **({} if adjoint is None else {"adjoint": adjoint}))
+        max_steps=STEPS,
+        throw=False,
+        **({} if adjoint is None else {"adjoint": adjoint}),
+    )
     return sol.ys if saveat is not None else sol.ys[-1]
 
 
@@ -159,14 +170,18 @@ def test_grad_through_distributed_solve():
     mesh = make_mesh((2, 4))
     sharding = NamedSharding(mesh, P("x", "y"))
     loss = lambda f, sharding, halo, **kw: jnp.sum(  # noqa: E731
-        weights * final_state(f, sharding, halo, **kw))
+        weights * final_state(f, sharding, halo, **kw)
+    )
 
     value, grad = jax.jit(jax.value_and_grad(lambda f: loss(f, sharding, HALO)))(
-        *sharded(mesh, field))
+        *sharded(mesh, field)
+    )
     one_value, one_grad = jax.jit(jax.value_and_grad(lambda f: loss(f, None, 0)))(field)
-    tangent = jax.jit(lambda f, v: jax.jvp(
-        lambda f: loss(f, sharding, HALO, adjoint=diffrax.ForwardMode()), (f,), (v,))[1])(
-        *sharded(mesh, field, v))
+    tangent = jax.jit(
+        lambda f, v: jax.jvp(
+            lambda f: loss(f, sharding, HALO, adjoint=diffrax.ForwardMode()), (f,), (v,)
+        )[1]
+    )(*sharded(mesh, field, v))
 
     np.testing.assert_allclose(float(value), float(one_value), rtol=1e-5)
     assert_gradients_agree(grad, one_grad)
@@ -191,8 +206,7 @@ def test_fresh_process_forward_bitwise_and_earlier_traces_corrected(tmp_path):
         assert t.jaxpm_halos.correct_jaxpm_adjoints() is True
         print(*before, *t.dot_products("paint", mesh))
     """)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     ref = np.load(tmp_path / "ref.npz")
     for name, value in forward_outputs().items():
         np.testing.assert_array_equal(value, ref[name], err_msg=name)

@@ -6,8 +6,12 @@ import importlib
 
 import pytest
 
-MODULES = ["jaxpm_halos.fof.fof", "jaxpm_halos.knn.knn", "jaxpm_halos.so.so",
-           "jaxpm_halos.insitu.insitu"]
+MODULES = [
+    "jaxpm_halos.fof.fof",
+    "jaxpm_halos.knn.knn",
+    "jaxpm_halos.so.so",
+    "jaxpm_halos.insitu.insitu",
+]
 
 
 @pytest.mark.newest

@@ -5,13 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpm_halos as jh
 from jaxpm_halos.core.domain import return_trip
 from jaxpm_halos.core.frontend import local_fields, prepare
 from jaxpm_halos.core.pipeline import plan_for
-from conftest import make_mesh
 
 pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
 
@@ -30,15 +31,29 @@ def _run(x, mesh, width, config=jh.DomainConfig(), box=BOX):
         n = fields["pos"].shape[0]
         dec, status = plan.decompose(fields, jnp.ones(n, bool))
         mig = dec.migrated
-        back = return_trip(pencils, mig.payload["id"], mig.payload["origin"], mig.count, n,
-                           plan.transfer_rows, capacity)
+        back = return_trip(
+            pencils,
+            mig.payload["id"],
+            mig.payload["origin"],
+            mig.count,
+            n,
+            plan.transfer_rows,
+            capacity,
+        )
         ext = dec.ext
-        return (ext.pos[None], ext.image[None], ext.id[None], back.reshape(shape),
-                fields["id"].reshape(shape), status)
+        return (
+            ext.pos[None],
+            ext.image[None],
+            ext.id[None],
+            back.reshape(shape),
+            fields["id"].reshape(shape),
+            status,
+        )
 
     dev = layout.device_spec
-    out = jax.jit(lambda *a: layout.run(device, a, specs, (dev, dev, dev, layout.spec,
-                                                           layout.spec, P())))(*args)
+    out = jax.jit(
+        lambda *a: layout.run(device, a, specs, (dev, dev, dev, layout.spec, layout.spec, P()))
+    )(*args)
     return out, pencils, capacity
 
 
@@ -64,8 +79,11 @@ def _check(out, pencils, capacity, pos, width, box=BOX):
         lo, hi = np.array([i * wx, j * wy]), np.array([(i + 1) * wx, (j + 1) * wy])
         home = np.all((wpos[:, :2] >= lo) & (wpos[:, :2] < hi), 1)
         assert set(eid[d, :capacity][eid[d, :capacity] >= 0]) == set(np.nonzero(home)[0])
-        got = {(eid[d, k], eimg[d, k, 0], eimg[d, k, 1]) for k in range(capacity, eid.shape[1])
-               if eid[d, k] >= 0}
+        got = {
+            (eid[d, k], eimg[d, k, 0], eimg[d, k, 1])
+            for k in range(capacity, eid.shape[1])
+            if eid[d, k] >= 0
+        }
         want = set()
         for sx in (-1, 0, 1):
             for sy in (-1, 0, 1):

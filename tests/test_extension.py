@@ -8,16 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh, missing, requires, requires_jaxpm
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpm_halos
 from jaxpm_halos import from_jaxpm, units
 from jaxpm_halos.extension import REGISTRY, InSitu, check, register
 from jaxpm_halos.io import gather_catalogue
 
-
-NEEDS_KNN = pytest.mark.skipif("knn_density" not in REGISTRY,
-                               reason="the knn_density analysis is not registered yet")
+NEEDS_KNN = pytest.mark.skipif(
+    "knn_density" not in REGISTRY, reason="the knn_density analysis is not registered yet"
+)
 
 
 def state_sharding(mesh):
@@ -43,12 +44,25 @@ def speed_analysis():
     replicated value."""
     name = "test_speed"
 
-    @register(name, outputs={"speed": "particle", "id": "particle", "pos": "particle",
-                             "owned": "device", "twice_a": "replicated"})
+    @register(
+        name,
+        outputs={
+            "speed": "particle",
+            "id": "particle",
+            "pos": "particle",
+            "owned": "device",
+            "twice_a": "replicated",
+        },
+    )
     def speed(snap):
         p = snap.particles
-        return {"speed": jnp.linalg.norm(p.vel, axis=-1), "id": p.id, "pos": p.pos,
-                "owned": jnp.sum(snap.valid.astype(jnp.int32))[None], "twice_a": 2 * snap.a}
+        return {
+            "speed": jnp.linalg.norm(p.vel, axis=-1),
+            "id": p.id,
+            "pos": p.pos,
+            "owned": jnp.sum(snap.valid.astype(jnp.int32))[None],
+            "twice_a": 2 * snap.a,
+        }
 
     yield name
     REGISTRY.pop(name)
@@ -116,7 +130,7 @@ def test_a_replicated_output_that_differs_between_devices_is_an_error():
         with pytest.raises(ValueError, match=wrong) as error:
             check(out, insitu)
         assert "total" not in str(error.value)
-        want = nc ** 2 * (box / nc) * nc * (nc - 1) / 2
+        want = nc**2 * (box / nc) * nc * (nc - 1) / 2
         assert float(out[name]["total"]) == pytest.approx(want, rel=1e-6)
         # On one device every output is the same on every device.
         single = insitu(jnp.asarray(y), 1.0)
@@ -137,7 +151,8 @@ OMEGA_C, SIGMA8 = 0.25, 0.8
 
 def simulate(insitu, mesh, nc, box, steps, ts, seed=0, amplitude=1.0, adjoint=None):
     """JaxPM from a = 0.1 (2LPT) to 1 in ``steps`` LeapfrogMidpoint steps, with
-    ``insitu.saveat(ts)`` as diffeqsolve's SaveAt: the in-situ recipe (docs/insitu.md). ``amplitude`` scales
+    ``insitu.saveat(ts)`` as diffeqsolve's SaveAt: the in-situ recipe (docs/insitu.md).
+    ``amplitude`` scales
     the linear field. Returns the saved outputs and whether the solve succeeded."""
     import diffrax
     import jax_cosmo as jc
@@ -148,20 +163,34 @@ def simulate(insitu, mesh, nc, box, steps, ts, seed=0, amplitude=1.0, adjoint=No
     shape, halo = (nc,) * 3, nc // 2
     k = jnp.logspace(-4, 1, 128)
     pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), k)
-    field = amplitude * linear_field(shape, [box] * 3,
-                                     lambda x: interpolate_power_spectrum(x, k, pk, sharding),
-                                     seed=jax.random.PRNGKey(seed), sharding=sharding)
+    field = amplitude * linear_field(
+        shape,
+        [box] * 3,
+        lambda x: interpolate_power_spectrum(x, k, pk, sharding),
+        seed=jax.random.PRNGKey(seed),
+        sharding=sharding,
+    )
     # A fresh cosmology for JaxPM: the one used for pk holds jax_cosmo's cached background,
     # which jaxpm's growth functions misread (KeyError 'h').
     cosmo = jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8)
     dx, p, _ = lpt(cosmo, field, a=0.1, order=2, halo_size=halo, sharding=sharding)
-    ode = diffrax.ODETerm(make_diffrax_ode(shape, paint_absolute_pos=False, halo_size=halo,
-                                           sharding=sharding))
+    ode = diffrax.ODETerm(
+        make_diffrax_ode(shape, paint_absolute_pos=False, halo_size=halo, sharding=sharding)
+    )
     sol = diffrax.diffeqsolve(
-        ode, diffrax.LeapfrogMidpoint(), t0=0.1, t1=1.0, dt0=None, y0=jnp.stack([dx, p]),
-        args=cosmo, saveat=insitu.saveat(ts, t0=0.1, t1=1.0),
+        ode,
+        diffrax.LeapfrogMidpoint(),
+        t0=0.1,
+        t1=1.0,
+        dt0=None,
+        y0=jnp.stack([dx, p]),
+        args=cosmo,
+        saveat=insitu.saveat(ts, t0=0.1, t1=1.0),
         stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
-        max_steps=steps, throw=False, **({} if adjoint is None else {"adjoint": adjoint}))
+        max_steps=steps,
+        throw=False,
+        **({} if adjoint is None else {"adjoint": adjoint}),
+    )
     return sol.ys, sol.result == diffrax.RESULTS.successful
 
 
@@ -174,14 +203,28 @@ def insitu_run():
     mesh = make_mesh((2, 4))
     omega_m = OMEGA_C + float(jc.Planck15().Omega_b)
     analyses = ("fof", "knn_density") if "knn_density" in REGISTRY else ("fof",)
-    insitu = InSitu(box_size=BOX, analyses=analyses, b=0.2, min_members=20, k=16,
-                    omega_m=omega_m, save_state=True, so=SO, centre="peak")
+    insitu = InSitu(
+        box_size=BOX,
+        analyses=analyses,
+        b=0.2,
+        min_members=20,
+        k=16,
+        omega_m=omega_m,
+        save_state=True,
+        so=SO,
+        centre="peak",
+    )
     with _quiet():
         out, ok = jax.jit(lambda seed: simulate(insitu, mesh, NC, BOX, STEPS, TS, seed=seed))(0)
     assert bool(ok)
     check(out)
-    return dict(out=out, insitu=insitu, mesh=mesh, omega_m=omega_m,
-                mass=units.particle_mass(omega_m, BOX, NC))
+    return dict(
+        out=out,
+        insitu=insitu,
+        mesh=mesh,
+        omega_m=omega_m,
+        mass=units.particle_mass(omega_m, BOX, NC),
+    )
 
 
 class _quiet:
@@ -250,9 +293,12 @@ def test_insitu_units(insitu_run, reference):
     vel = units.momentum_to_velocity(mom["vel"].astype(np.float64), a, BOX, NC)
     scale = np.abs(vel).max()
     np.testing.assert_allclose(got["vel"], vel, rtol=1e-5, atol=1e-5 * scale)
-    np.testing.assert_allclose(got["vel_disp"],
-                               units.momentum_to_velocity(mom["vel_disp"], a, BOX, NC),
-                               rtol=1e-4, atol=1e-5 * scale)
+    np.testing.assert_allclose(
+        got["vel_disp"],
+        units.momentum_to_velocity(mom["vel_disp"], a, BOX, NC),
+        rtol=1e-4,
+        atol=1e-5 * scale,
+    )
     m_p = units.particle_mass(insitu_run["omega_m"], BOX, NC)
     np.testing.assert_allclose(got["mass"], got["count"] * m_p, rtol=1e-5)
     # The catalogue carries these units for its files (a file's default labels).
@@ -269,15 +315,25 @@ def test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force(insitu_run):
     """Inside diffeqsolve's SaveAt: the density peaks and SO masses and radii (thresholds
     at each snapshot's a) equal fof(so=..., centre="peak") run afterwards on the saved
     state, and a float64 brute force to within one particle."""
+    from test_so import KNIFE
+    from test_so import _check as check_so
+
     from jaxpm_halos.testing.reference import so_reference
-    from test_so import KNIFE, _check as check_so
 
     out, insitu, m_p = insitu_run["out"], insitu_run["insitu"], insitu_run["mass"]
     for snapshot, a in enumerate(TS):
         state = out["state"][snapshot]
         particles = from_jaxpm(state, box_size=BOX, mass=m_p)
-        _, cat = jaxpm_halos.fof(particles, b=0.2, min_members=20, so=SO,
-                                 omega_m=insitu.omega_m, a=a, centre="peak", k=insitu.k)
+        _, cat = jaxpm_halos.fof(
+            particles,
+            b=0.2,
+            min_members=20,
+            so=SO,
+            omega_m=insitu.omega_m,
+            a=a,
+            centre="peak",
+            k=insitu.k,
+        )
         ref = cat.to_numpy()
         got = gather_catalogue(out["fof"]["catalogue"], snapshot=snapshot)
         names = ["peak"] + [p + n for n in SO for p in "mr"]
@@ -288,8 +344,9 @@ def test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force(insitu_run):
         pos = np.asarray(particles.pos).reshape(-1, 3)
         brute = so_reference(pos, got["peak"], BOX, thresholds, m_p, KNIFE)
         for d, n in enumerate(SO):
-            check_so(got["r" + n], got["m" + n], (brute[0][:, d], brute[1][:, d]),
-                     thresholds[d], m_p)
+            check_so(
+                got["r" + n], got["m" + n], (brute[0][:, d], brute[1][:, d]), thresholds[d], m_p
+            )
         assert np.all(got["m200m"] >= got["mvir"]) and np.all(got["mvir"] >= got["m200c"])
         assert np.max(got["m200m"]) > 50 * m_p  # resolved haloes, not single particles
 
@@ -300,8 +357,9 @@ def test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force(insitu_run):
 def test_insitu_density_equals_knn_density_afterwards(insitu_run):
     out = insitu_run["out"]
     final = out["state"][-1]
-    ref = jaxpm_halos.knn_density(from_jaxpm(final, box_size=BOX, mass=insitu_run["mass"]),
-                                  k=insitu_run["insitu"].k)
+    ref = jaxpm_halos.knn_density(
+        from_jaxpm(final, box_size=BOX, mass=insitu_run["mass"]), k=insitu_run["insitu"].k
+    )
     dens = out["knn_density"]["density"]
     assert dens.shape == (len(TS), NC, NC, NC)
     np.testing.assert_array_equal(np.asarray(dens[-1]), np.asarray(ref))
@@ -321,18 +379,21 @@ def test_derivative_through_the_solve_is_the_chain_rule():
 
     nc, box, steps, k = 16, 32.0, 3, 8
     mesh = make_mesh((2, 4))
-    insitu = InSitu(box_size=box, analyses=("fof", "knn_density"), min_members=5, k=k,
-                    save_state=True)
+    insitu = InSitu(
+        box_size=box, analyses=("fof", "knn_density"), min_members=5, k=k, save_state=True
+    )
 
     def run(amplitude):
-        out, _ = simulate(insitu, mesh, nc, box, steps, (1.0,), amplitude=amplitude,
-                          adjoint=diffrax.ForwardMode())
+        out, _ = simulate(
+            insitu, mesh, nc, box, steps, (1.0,), amplitude=amplitude, adjoint=diffrax.ForwardMode()
+        )
         cat = out["fof"]["catalogue"]
         return (out["state"][-1], out["knn_density"]["density"][-1], cat.pos[-1]), out
 
     with _quiet():
         (y, rho, _), (dy, drho, dcentres), out = jax.jit(
-            lambda a: jax.jvp(run, (a,), (jnp.ones_like(a),), has_aux=True))(jnp.float32(1.0))
+            lambda a: jax.jvp(run, (a,), (jnp.ones_like(a),), has_aux=True)
+        )(jnp.float32(1.0))
     check(out)  # buffers are not checked inside jit
     count, ids = out["fof"]["catalogue"].count[-1], out["fof"]["catalogue"].id[-1]
     y, dy = np.asarray(y, np.float64), np.asarray(dy, np.float64)
@@ -346,22 +407,28 @@ def test_derivative_through_the_solve_is_the_chain_rule():
     j = np.asarray(neighbours).reshape(-1, k)[:, -1]
     delta = pos - pos[j]
     delta -= box * np.round(delta / box)
-    r2 = np.sum(delta ** 2, axis=1)
-    expected = -3 * np.asarray(rho, np.float64).reshape(-1) * np.sum(
-        delta * (dpos - dpos[j]), axis=1) / r2
-    np.testing.assert_allclose(np.asarray(drho).reshape(-1), expected, rtol=2e-3,
-                               atol=2e-3 * np.abs(expected).max())
+    r2 = np.sum(delta**2, axis=1)
+    expected = (
+        -3 * np.asarray(rho, np.float64).reshape(-1) * np.sum(delta * (dpos - dpos[j]), axis=1) / r2
+    )
+    np.testing.assert_allclose(
+        np.asarray(drho).reshape(-1), expected, rtol=2e-3, atol=2e-3 * np.abs(expected).max()
+    )
 
-    labels = np.asarray(jaxpm_halos.fof(from_jaxpm(jnp.asarray(y, jnp.float32), box_size=box),
-                                        b=0.2, min_members=5)[0]).reshape(-1)
+    labels = np.asarray(
+        jaxpm_halos.fof(
+            from_jaxpm(jnp.asarray(y, jnp.float32), box_size=box), b=0.2, min_members=5
+        )[0]
+    ).reshape(-1)
     count, ids, dcentres = np.asarray(count), np.asarray(ids), np.asarray(dcentres)
     halos = np.flatnonzero(count > 0)
     assert len(halos) > 40, "the test run should have halos"
     for row in halos:
         members = labels == ids[row]
         assert members.sum() == count[row]
-        np.testing.assert_allclose(dcentres[row], dpos[members].mean(axis=0), rtol=1e-3,
-                                   atol=1e-4 * np.abs(dpos).max())
+        np.testing.assert_allclose(
+            dcentres[row], dpos[members].mean(axis=0), rtol=1e-3, atol=1e-4 * np.abs(dpos).max()
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -383,10 +450,18 @@ def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None, fie
 
     def solve(y0):
         sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(field), diffrax.Euler(),
-            t0=0.1, t1=1.0, dt0=None, y0=y0, saveat=saveat, max_steps=steps, throw=False,
+            diffrax.ODETerm(field),
+            diffrax.Euler(),
+            t0=0.1,
+            t1=1.0,
+            dt0=None,
+            y0=y0,
+            saveat=saveat,
+            max_steps=steps,
+            throw=False,
             stepsize_controller=diffrax.StepTo(ts=jnp.linspace(0.1, 1.0, steps + 1)),
-            **({} if adjoint is None else {"adjoint": adjoint}))
+            **({} if adjoint is None else {"adjoint": adjoint}),
+        )
         return sol.ys
 
     y0 = jax.ShapeDtypeStruct((2, nc, nc, nc, 3), jnp.float32, sharding=state_sharding(mesh))
@@ -396,8 +471,9 @@ def _sorts_per_step_and_per_save(saveat, mesh, nc=16, steps=3, adjoint=None, fie
 
 
 @requires("diffrax")
-@pytest.mark.parametrize("adjoint", ["recursive_checkpoint",
-                                     pytest.param("forward_mode", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "adjoint", ["recursive_checkpoint", pytest.param("forward_mode", marks=pytest.mark.slow)]
+)
 def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
     """With a single save time, diffrax's save loop reads ts[0] whatever its index, so XLA
     (while-loop-invariant-code-motion) used to hoist the whole SaveAt function out of it:
@@ -408,8 +484,10 @@ def test_one_save_time_runs_the_analyses_once_not_at_every_step(adjoint):
     mesh = make_mesh((2, 4))
     insitu = InSitu(box_size=32.0, analyses=("fof",), min_members=5)
     per_step, per_save, total = _sorts_per_step_and_per_save(
-        insitu.saveat([1.0], t0=0.1, t1=1.0), mesh,
-        adjoint=None if adjoint == "recursive_checkpoint" else diffrax.ForwardMode())
+        insitu.saveat([1.0], t0=0.1, t1=1.0),
+        mesh,
+        adjoint=None if adjoint == "recursive_checkpoint" else diffrax.ForwardMode(),
+    )
     assert per_step == 0, f"{per_step} sorts run at every step ({per_save} in the save loop)"
     assert per_save > 0, "the analyses' sorts should be found in diffrax's save loop"
     # diffrax's branch for a solve with t0 == t1 (never taken here) used to hold a second
@@ -430,14 +508,29 @@ def test_a_solve_that_takes_no_step_reports_that_the_analyses_did_not_run(mesh_s
     y0 = jnp.zeros((2, nc, nc, nc, 3), jnp.float32)
     if mesh_shape is not None:
         y0 = jax.device_put(y0, state_sharding(make_mesh(mesh_shape)))
-    solve = jax.jit(lambda y: diffrax.diffeqsolve(
-        diffrax.ODETerm(_oscillator), diffrax.Euler(), t0=1.0, t1=1.0, dt0=0.1, y0=y,
-        saveat=insitu.saveat([1.0]), max_steps=4, throw=False).ys)
+    solve = jax.jit(
+        lambda y: (
+            diffrax.diffeqsolve(
+                diffrax.ODETerm(_oscillator),
+                diffrax.Euler(),
+                t0=1.0,
+                t1=1.0,
+                dt0=0.1,
+                y0=y,
+                saveat=insitu.saveat([1.0]),
+                max_steps=4,
+                throw=False,
+            ).ys
+        )
+    )
     with _quiet():
         out = solve(y0)
     assert not np.any(out["domain"].ok) and not np.any(out["fof"]["catalogue"].status.ok)
-    with pytest.raises(ValueError, match=r"did not run: the diffrax solve took no step .*"
-                                         r"insitu\(y0, a\)") as error:
+    with pytest.raises(
+        ValueError,
+        match=r"did not run: the diffrax solve took no step .*"
+        r"insitu\(y0, a\)",
+    ) as error:
         check(out, insitu)
     assert error.value.failure.kind is jaxpm_halos.FailureKind.NOT_RUN
 
@@ -457,13 +550,17 @@ def test_the_counter_sees_a_sort_that_runs_at_every_step():
 
 
 @requires_jaxpm
-@pytest.mark.parametrize("saveat_fn", ["insitu"] + [pytest.param(fn, marks=pytest.mark.slow)
-                                                    for fn in ("insitu_switchable", "user_sort")])
+@pytest.mark.parametrize(
+    "saveat_fn",
+    ["insitu"]
+    + [pytest.param(fn, marks=pytest.mark.slow) for fn in ("insitu_switchable", "user_sort")],
+)
 def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat_fn):
     """The same through the demo's run_simulation, whose SaveAt also saves t1 and whose
     switchable_saveat_fn wraps the analyses in a lax.cond; and for any saveat_fn there (here
     a sort of the displacements along z)."""
     from hlo import save_loop_counts
+
     from jaxpm_halos.simulation import run_simulation, switchable_saveat_fn
 
     nc, box = 16, 32.0
@@ -472,8 +569,9 @@ def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat
     if saveat_fn == "insitu":  # as the docs say it may be passed: called with the times
         kwargs = dict(saveat_fn=insitu)
     elif saveat_fn == "insitu_switchable":
-        kwargs = dict(saveat_fn=switchable_saveat_fn(insitu, [1.0]),
-                      saveat_inputs=jnp.ones(1, bool))
+        kwargs = dict(
+            saveat_fn=switchable_saveat_fn(insitu, [1.0]), saveat_inputs=jnp.ones(1, bool)
+        )
     else:
         kwargs = dict(saveat_fn=lambda a, y, cosmo: jnp.sort(y[0, ..., 0], axis=-1))
     with _quiet():
@@ -496,7 +594,7 @@ def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat
 def test_an_analysis_registered_again_runs_its_new_function():
     """The compiled InSitu program was keyed on the analysis names alone, so the second
     registration silently ran the first function."""
-    y = jnp.asarray(np.random.default_rng(2).normal(0, .5, (2, 8, 8, 8, 3)), jnp.float32)
+    y = jnp.asarray(np.random.default_rng(2).normal(0, 0.5, (2, 8, 8, 8, 3)), jnp.float32)
     name = "test_scaled_x"
     try:
         got = []
@@ -529,8 +627,9 @@ def test_snapshot_knn_equals_ckdtree_on_a_thin_ghost_layer():
     y = jax.device_put(y.astype(np.float32), state_sharding(make_mesh((2, 4))))
     name = "test_snapshot_knn"
 
-    @register(name, outputs={"dist": "particle", "ok": "particle", "status": "replicated"},
-              width=0.5)
+    @register(
+        name, outputs={"dist": "particle", "ok": "particle", "status": "replicated"}, width=0.5
+    )
     def nearest(snap):
         result, status = snap.knn(k, config=jaxpm_halos.KNNConfig(remote_factor=2.0))
         return {"dist": result["dist"], "ok": result["ok"], "status": status}
@@ -542,24 +641,36 @@ def test_snapshot_knn_equals_ckdtree_on_a_thin_ghost_layer():
     pos = np.asarray(from_jaxpm(y, box_size=box).pos, np.float64).reshape(-1, 3)
     want = cKDTree(pos, boxsize=box).query(pos, k=k + 1)[0][:, 1:]
     assert bool(out["status"].ok) and np.all(np.asarray(out["ok"]))
-    np.testing.assert_allclose(np.asarray(out["dist"]).reshape(-1, k), want, rtol=2e-6,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["dist"]).reshape(-1, k), want, rtol=2e-6, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------
 # Bad input
 
 
-@pytest.mark.parametrize("outputs, fn, message", [
-    ({"x": "particle"}, lambda snap: {"x": snap.particles.pos[:5, 0]},
-     r"'test_bad_output', output \['x'\]: a 'particle' output needs one row per owned row"),
-    ("particle", lambda snap: jnp.sum(snap.particles.pos), "got \\(\\)"),
-    ("device", lambda snap: jnp.sum(snap.particles.pos), r"leading axis \(e.g. value\[None\]\)"),
-    # a key the outputs= dict lacks: JAX's "Dict key mismatch" named no analysis
-    ({"x": "particle"}, lambda snap: {"x": snap.particles.pos[:, 0], "n": jnp.sum(snap.valid)},
-     r"analysis 'test_bad_output': its declared outputs=\{'x': 'particle'\} .* does not "
-     r"match the tree it returned"),
-])
+@pytest.mark.parametrize(
+    "outputs, fn, message",
+    [
+        (
+            {"x": "particle"},
+            lambda snap: {"x": snap.particles.pos[:5, 0]},
+            r"'test_bad_output', output \['x'\]: a 'particle' output needs one row per owned row",
+        ),
+        ("particle", lambda snap: jnp.sum(snap.particles.pos), "got \\(\\)"),
+        (
+            "device",
+            lambda snap: jnp.sum(snap.particles.pos),
+            r"leading axis \(e.g. value\[None\]\)",
+        ),
+        # a key the outputs= dict lacks: JAX's "Dict key mismatch" named no analysis
+        (
+            {"x": "particle"},
+            lambda snap: {"x": snap.particles.pos[:, 0], "n": jnp.sum(snap.valid)},
+            r"analysis 'test_bad_output': its declared outputs=\{'x': 'particle'\} .* does not "
+            r"match the tree it returned",
+        ),
+    ],
+)
 def test_outputs_that_do_not_fit_their_kind_name_the_analysis(outputs, fn, message):
     y = jnp.zeros((2, 8, 8, 8, 3), jnp.float32)
     register("test_bad_output", outputs=outputs)(fn)
@@ -571,8 +682,11 @@ def test_outputs_that_do_not_fit_their_kind_name_the_analysis(outputs, fn, messa
 
 
 def test_an_unknown_output_kind_is_refused_at_registration():
-    with pytest.raises(ValueError, match=r"analysis 'test_kind': outputs= holds kinds "
-                                         r"\['per-particle'\]; each must be one of"):
+    with pytest.raises(
+        ValueError,
+        match=r"analysis 'test_kind': outputs= holds kinds "
+        r"\['per-particle'\]; each must be one of",
+    ):
         register("test_kind", outputs={"x": "per-particle"})
     assert "test_kind" not in REGISTRY
 
@@ -596,8 +710,11 @@ def test_snapshot_times_out_of_order_are_refused():
     """diffrax refuses them only inside the solve, where on a mesh its check fails on one
     device while the others wait in a collective, and the process aborts."""
     insitu = InSitu(box_size=32.0, analyses=("fof",))
-    with pytest.raises(ValueError, match=r"sorted in the solve's direction \(increasing\); "
-                                         r"pass \[0.5, 1.0\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"sorted in the solve's direction \(increasing\); "
+        r"pass \[0.5, 1.0\]",
+    ):
         insitu.saveat((1.0, 0.5), t0=0.1, t1=1.0)
     with pytest.raises(ValueError, match="decreasing"):
         insitu.saveat((0.5, 1.0), t0=1.0, t1=0.1)
@@ -618,8 +735,9 @@ def test_snapshot_times_out_of_order_are_refused():
         jax.jit(lambda ts: insitu.saveat(ts).subs.ts)(jnp.asarray([0.5, 1.0]))
     # Text was parsed as numbers by numpy; complex times met numpy's own TypeError.
     for ts, dtype in ((["0.5", "1.0"], "<U3"), ([0.5 + 1j], "complex128")):
-        with pytest.raises(ValueError, match=f"snapshot times must hold real numbers, got "
-                                             f"dtype {dtype}"):
+        with pytest.raises(
+            ValueError, match=f"snapshot times must hold real numbers, got dtype {dtype}"
+        ):
             insitu.saveat(ts, t0=0.1, t1=1.0)
 
 
@@ -629,8 +747,9 @@ def test_a_boolean_or_complex_state_is_refused():
     insitu = InSitu(box_size=32.0, analyses=("fof",))
     y = np.zeros((2, 8, 8, 8, 3), np.float32)
     for bad in (y.astype(np.complex64), y > 0):
-        with pytest.raises(ValueError, match=f"the JaxPM state must hold real numbers, got "
-                                             f"dtype {bad.dtype}"):
+        with pytest.raises(
+            ValueError, match=f"the JaxPM state must hold real numbers, got dtype {bad.dtype}"
+        ):
             insitu(bad, 1.0)
 
 
@@ -640,15 +759,19 @@ def test_an_analysis_asking_for_a_layer_wider_than_a_pencil_is_named():
     try:
         register(name, width=40.0)(lambda snap: snap.particles.pos[:, 0])
         insitu = InSitu(box_size=32.0, analyses=(name,))
-        with pytest.raises(ValueError, match=f"analysis '{name}' asks for a ghost layer of 40 "
-                                             r".*\[0, 32\].*smaller width="):
+        with pytest.raises(
+            ValueError,
+            match=f"analysis '{name}' asks for a ghost layer of 40 "
+            r".*\[0, 32\].*smaller width=",
+        ):
             insitu(y, 1.0)
     finally:
         REGISTRY.pop(name)
 
 
-@pytest.mark.parametrize("shape", [(16, 16, 16, 3), (3, 16, 16, 16, 3), (2, 16, 16, 8, 3),
-                                   (2, 16, 16, 16, 2)])
+@pytest.mark.parametrize(
+    "shape", [(16, 16, 16, 3), (3, 16, 16, 16, 3), (2, 16, 16, 8, 3), (2, 16, 16, 16, 2)]
+)
 def test_state_of_the_wrong_shape(shape):
     insitu = InSitu(box_size=32.0, analyses=("fof",))
     with pytest.raises(ValueError, match=r"\(2, nc, nc, nc, 3\)"):
@@ -689,20 +812,29 @@ def test_overflow_of_fofs_own_ghost_layer_names_a_setting_that_fits():
     moved = rng.permutation(block)[:300]
     clump = np.array([4.0, 3.9, 8.0]) + rng.uniform(-0.05, 0.05, (300, 3))
     disp.reshape(-1, 3)[moved] = clump - lattice[moved]
-    y = jax.device_put(jnp.stack([jnp.asarray(disp), jnp.zeros((nc, nc, nc, 3))]),
-                       state_sharding(mesh))
+    y = jax.device_put(
+        jnp.stack([jnp.asarray(disp), jnp.zeros((nc, nc, nc, 3))]), state_sharding(mesh)
+    )
 
     overflow = r"buffer 'fof ghosts' overflowed"
     with pytest.raises(jaxpm_halos.CapacityError, match=overflow) as error:
         InSitu(box_size=box)(y, grow=False)
-    setting = re.search(r"Rerun with (InSitu\(domain=DomainConfig\("
-                        r"ghost_factor=([0-9.]+)\)\))", str(error.value))
+    setting = re.search(
+        r"Rerun with (InSitu\(domain=DomainConfig\("
+        r"ghost_factor=([0-9.]+)\)\))",
+        str(error.value),
+    )
     assert setting, str(error.value)
-    fitted = InSitu(box_size=box,
-                    domain=jaxpm_halos.DomainConfig(ghost_factor=float(setting.group(2))))
+    fitted = InSitu(
+        box_size=box, domain=jaxpm_halos.DomainConfig(ghost_factor=float(setting.group(2)))
+    )
     out = fitted(y, grow=False)  # raises if any buffer, FoF's or the shared one, overflows
-    labels, _ = jaxpm_halos.fof(from_jaxpm(y, box_size=box), b=0.2, min_members=20,
-                                config=jaxpm_halos.FoFConfig(domain=fitted.domain))
+    labels, _ = jaxpm_halos.fof(
+        from_jaxpm(y, box_size=box),
+        b=0.2,
+        min_members=20,
+        config=jaxpm_halos.FoFConfig(domain=fitted.domain),
+    )
     # By default the call grows the buffer itself, warns once, and gives the same result.
     with pytest.warns(jaxpm_halos.GrowthWarning, match=r"InSitu\(domain=DomainConfig"):
         grown = InSitu(box_size=box)(y)
@@ -718,29 +850,40 @@ def test_check_grows_what_every_analysis_saw_overflow_in_one_suggestion():
     from jaxpm_halos.core.config import GHOSTS, IMAGES
     from jaxpm_halos.core.status import Limit, Status
 
-    fof = Status({"fof ghosts": jnp.int32(300)}, jnp.int32(0),
-                 (("fof ghosts", Limit(GHOSTS, 100, 1000.0)),))
-    knn = Status({"ghosts": jnp.int32(450), "z images": jnp.int32(900)}, jnp.int32(0),
-                 (("ghosts", Limit(GHOSTS, 100, 1000.0)), ("z images", Limit(IMAGES, 50, 1000.0))))
+    fof = Status(
+        {"fof ghosts": jnp.int32(300)}, jnp.int32(0), (("fof ghosts", Limit(GHOSTS, 100, 1000.0)),)
+    )
+    knn = Status(
+        {"ghosts": jnp.int32(450), "z images": jnp.int32(900)},
+        jnp.int32(0),
+        (("ghosts", Limit(GHOSTS, 100, 1000.0)), ("z images", Limit(IMAGES, 50, 1000.0))),
+    )
     with pytest.raises(jaxpm_halos.CapacityError) as error:
         check({"fof": fof, "knn_density": knn})
-    assert ("Rerun with InSitu(domain=DomainConfig(ghost_factor=0.45, image_factor=0.9))."
-            in str(error.value)), str(error.value)
+    assert "Rerun with InSitu(domain=DomainConfig(ghost_factor=0.45, image_factor=0.9))." in str(
+        error.value
+    ), str(error.value)
 
 
 def test_check_with_the_insitu_spells_its_whole_config():
     from jaxpm_halos.core.config import GHOSTS
     from jaxpm_halos.core.status import Limit, Status
 
-    status = Status({"ghosts": jnp.int32(300)}, jnp.int32(0),
-                    (("ghosts", Limit(GHOSTS, 100, 1000.0)),))
-    insitu = InSitu(box_size=64.0, fof=jaxpm_halos.FoFConfig(max_halos=50),
-                    domain=jaxpm_halos.DomainConfig(image_factor=0.7))
+    status = Status(
+        {"ghosts": jnp.int32(300)}, jnp.int32(0), (("ghosts", Limit(GHOSTS, 100, 1000.0)),)
+    )
+    insitu = InSitu(
+        box_size=64.0,
+        fof=jaxpm_halos.FoFConfig(max_halos=50),
+        domain=jaxpm_halos.DomainConfig(image_factor=0.7),
+    )
     with pytest.raises(jaxpm_halos.CapacityError) as error:
         check({"domain": status}, insitu)
     # FoF's config, changed by the user (or an earlier suggestion), is kept beside it.
-    assert ("Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3, image_factor=0.7), "
-            "fof=FoFConfig(max_halos=50))." in str(error.value))
+    assert (
+        "Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3, image_factor=0.7), "
+        "fof=FoFConfig(max_halos=50))." in str(error.value)
+    )
     with pytest.raises(jaxpm_halos.CapacityError) as error:  # without it: the knob alone
         check({"domain": status})
     assert "Rerun with InSitu(domain=DomainConfig(ghost_factor=0.3))." in str(error.value)
@@ -753,8 +896,9 @@ def _collapsed_state(mesh, nc=16, centre=(4.0, 2.0, 8.0), sigma=0.6, seed=0):
     lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).astype(np.float32)
     target = np.asarray(centre, np.float32) + rng.normal(0, sigma, lattice.shape)
     disp = (target - lattice).astype(np.float32)
-    return jax.device_put(jnp.stack([jnp.asarray(disp), jnp.zeros_like(jnp.asarray(disp))]),
-                          state_sharding(mesh))
+    return jax.device_put(
+        jnp.stack([jnp.asarray(disp), jnp.zeros_like(jnp.asarray(disp))]), state_sharding(mesh)
+    )
 
 
 @pytest.mark.leg1
@@ -782,18 +926,25 @@ def test_every_analysis_status_covers_the_shared_decomposition():
         grown = insitu(y, 1.0)
     pos = np.asarray(from_jaxpm(y, box_size=box).pos, np.float64).reshape(-1, 3)
     r_k = cKDTree(pos, boxsize=box).query(pos, k=8 + 1)[0][:, -1]
-    want = (8 - 1) / (4 / 3 * np.pi * r_k ** 3)  # unit masses
-    np.testing.assert_allclose(np.asarray(grown["knn_density"]["density"]).reshape(-1), want,
-                               rtol=1e-4)
+    want = (8 - 1) / (4 / 3 * np.pi * r_k**3)  # unit masses
+    np.testing.assert_allclose(
+        np.asarray(grown["knn_density"]["density"]).reshape(-1), want, rtol=1e-4
+    )
 
 
 def test_an_insitu_config_nested_in_fof_is_refused_not_ignored():
     with pytest.raises(ValueError, match=r"pass domain=DomainConfig\(ghost_factor=0.5\)"):
-        InSitu(box_size=32.0, fof=jaxpm_halos.FoFConfig(
-            domain=jaxpm_halos.DomainConfig(ghost_factor=0.5)))
+        InSitu(
+            box_size=32.0,
+            fof=jaxpm_halos.FoFConfig(domain=jaxpm_halos.DomainConfig(ghost_factor=0.5)),
+        )
     with pytest.raises(ValueError, match=r"pass domain=DomainConfig\(image_factor=0.5\)"):
-        InSitu(box_size=32.0, fof=jaxpm_halos.FoFConfig(so=jaxpm_halos.SOConfig(
-            domain=jaxpm_halos.DomainConfig(image_factor=0.5))))
+        InSitu(
+            box_size=32.0,
+            fof=jaxpm_halos.FoFConfig(
+                so=jaxpm_halos.SOConfig(domain=jaxpm_halos.DomainConfig(image_factor=0.5))
+            ),
+        )
     with pytest.raises(ValueError, match=r"pass knn=KNNConfig\(batch_size=8\)"):
         InSitu(box_size=32.0, fof=jaxpm_halos.FoFConfig(knn=jaxpm_halos.KNNConfig(batch_size=8)))
 
@@ -809,17 +960,24 @@ def test_so_settings_are_checked_and_an_so_overflow_names_insitu_fof():
         InSitu(box_size=32.0, analyses=("knn_density",), centre="peak")
     # An unresolved profile is spelled as the InSitu argument that holds SOConfig.
     from jaxpm_halos.core.layout import Pencils
-    from jaxpm_halos.so._search import radius_limit
     from jaxpm_halos.insitu.errors import insitu_error
+    from jaxpm_halos.so._search import radius_limit
 
     limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))
-    failure = jaxpm_halos.Failure(jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows,
-                                  "so radius", limit, 2 * limit.rows)
-    insitu = InSitu(box_size=32.0, omega_m=0.3, so=("vir",), fof=jaxpm_halos.FoFConfig(
-        max_halos=64, so=jaxpm_halos.SOConfig(radius=4.0)))
+    failure = jaxpm_halos.Failure(
+        jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows, "so radius", limit, 2 * limit.rows
+    )
+    insitu = InSitu(
+        box_size=32.0,
+        omega_m=0.3,
+        so=("vir",),
+        fof=jaxpm_halos.FoFConfig(max_halos=64, so=jaxpm_halos.SOConfig(radius=4.0)),
+    )
     message = str(insitu_error(failure, insitu))
     assert "InSitu(fof=FoFConfig(max_halos=64, so=SOConfig(radius=8.0" in message
-    assert str(insitu_error(failure, None)).count("InSitu(fof=FoFConfig(so=SOConfig(radius=8.0") == 1
+    assert (
+        str(insitu_error(failure, None)).count("InSitu(fof=FoFConfig(so=SOConfig(radius=8.0") == 1
+    )
 
 
 def test_an_insitu_suggestion_keeps_the_fixes_of_the_other_configs():
@@ -829,20 +987,22 @@ def test_an_insitu_suggestion_keeps_the_fixes_of_the_other_configs():
     import re
 
     from jaxpm_halos.core.layout import Pencils
-    from jaxpm_halos.so._search import radius_limit
     from jaxpm_halos.insitu.errors import insitu_error
+    from jaxpm_halos.so._search import radius_limit
 
     limit = radius_limit(4.0, Pencils(None, None, 1, 1, 32.0))
-    failure = jaxpm_halos.Failure(jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows,
-                                  "so radius", limit, 2 * limit.rows)
+    failure = jaxpm_halos.Failure(
+        jaxpm_halos.FailureKind.OVERFLOW, 2 * limit.rows, "so radius", limit, 2 * limit.rows
+    )
     domain = jaxpm_halos.DomainConfig(ghost_factor=0.46)
     insitu = InSitu(box_size=32.0, omega_m=0.3, so=("vir",), domain=domain)
     message = str(insitu_error(failure, insitu))
     spelled = re.search(r"Rerun with InSitu\((.*?)\)(?: or more|\.)", message).group(1)
     pasted = eval(f"dict({spelled})", vars(jaxpm_halos))
     assert pasted["domain"] == domain
-    assert pasted["fof"].so.radius == 8.0 and pasted["fof"] == failure.grown(InSitu(
-        box_size=32.0).fof)
+    assert pasted["fof"].so.radius == 8.0 and pasted["fof"] == failure.grown(
+        InSitu(box_size=32.0).fof
+    )
 
 
 def _clumpy_state(mesh, nc=16, seed=1):
@@ -851,8 +1011,11 @@ def _clumpy_state(mesh, nc=16, seed=1):
     rng = np.random.default_rng(seed)
     lattice = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).astype(np.float32)
     target = lattice.copy()
-    for corner, centre in (((0, 0, 0), (0.1, 0.2, 15.9)), ((6, 2, 8), (7.5, 3.5, 9.5)),
-                           ((10, 10, 2), (12.0, 11.5, 3.5))):
+    for corner, centre in (
+        ((0, 0, 0), (0.1, 0.2, 15.9)),
+        ((6, 2, 8), (7.5, 3.5, 9.5)),
+        ((10, 10, 2), (12.0, 11.5, 3.5)),
+    ):
         block = tuple(slice(c, c + 4) for c in corner)
         target[block] = np.asarray(centre) + rng.normal(0, 0.25, (4, 4, 4, 3))
     disp = jnp.asarray(target - lattice)
@@ -876,8 +1039,11 @@ def test_insitu_so_thresholds_are_fofs_eager_inside_jit_and_at_a_save_time():
     assert len(want["id"]) == 3
     times = [0.3, a, 1.0]
     at_time = jax.jit(lambda y, t: insitu(y, t, times=times))
-    runs = {"eager": insitu(y, a), "jit": jax.jit(lambda y: insitu(y, a))(y),
-            "save time": at_time(y, jnp.float32(a))}
+    runs = {
+        "eager": insitu(y, a),
+        "jit": jax.jit(lambda y: insitu(y, a))(y),
+        "save time": at_time(y, jnp.float32(a)),
+    }
     if not missing("diffrax"):  # saveat's own function, as diffeqsolve calls it
         save = insitu.saveat(times).subs.fn
         runs["saveat"] = jax.jit(lambda y, t: save(t, y, None))(y, jnp.float32(a))

@@ -7,13 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
 from jaxpm_halos.core.geometry import periodic_distance2
 from jaxpm_halos.testing import reference as ref
-from conftest import make_mesh
 
 BOX = 16.0
 N = 4096
@@ -103,8 +104,9 @@ def test_labels_and_catalogue_match_scipy(adversarial, mesh):
 @pytest.mark.newest
 def test_unsharded_numpy_input_and_mesh_invariance(adversarial):
     pos, vel, mass, want_labels, want_cat = adversarial
-    labels, cat = jh.fof(pos, BOX, L_LINK, vel=vel, mass=mass, min_members=MIN_MEMBERS,
-                         config=FACES)
+    labels, cat = jh.fof(
+        pos, BOX, L_LINK, vel=vel, mass=mass, min_members=MIN_MEMBERS, config=FACES
+    )
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
     got = cat.to_numpy()
     _assert_catalogue(got, want_cat)
@@ -142,8 +144,9 @@ def test_jit_takes_mesh_from_traced_input(adversarial):
     pos, _, _, want_labels, _ = adversarial
     mesh = make_mesh((2, 4))
     (p,) = _shard(mesh, pos)
-    labels, cat = jax.jit(lambda x: jh.fof(x, BOX, L_LINK, min_members=MIN_MEMBERS,
-                                           config=FACES))(p)
+    labels, cat = jax.jit(lambda x: jh.fof(x, BOX, L_LINK, min_members=MIN_MEMBERS, config=FACES))(
+        p
+    )
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
     assert bool(cat.status.ok)
 
@@ -154,7 +157,9 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
     box, n = 8.0, 1024
     centres = rng.uniform(1, box - 1, (4, 3))
     centres[0] = [box / 2, box / 2, 0.05]
-    pts = [rng.uniform(0, box, (n // 2, 3))] + [c + rng.normal(0, 0.1, (n // 8, 3)) for c in centres]
+    pts = [rng.uniform(0, box, (n // 2, 3))] + [
+        c + rng.normal(0, 0.1, (n // 8, 3)) for c in centres
+    ]
     pos = np.mod(np.concatenate(pts)[:n], box).astype(np.float32)
     vel = rng.normal(0, 1, (n, 3)).astype(np.float32)
     link = ref.unambiguous_linking_length(pos, box, 0.2 * box / n ** (1 / 3))
@@ -191,8 +196,10 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
             fdv = (f(p0, *_shard(mesh, vel + step))[1] - f(p0, *_shard(mesh, vel - step))[1]) / 0.2
             np.testing.assert_allclose(grad_v[i, d], fdv, rtol=0.02, atol=2e-4)
             step[i, d] = 1e-2
-            if not (np.array_equal(ref.fof_labels(pos + step, box, link), labels)
-                    and np.array_equal(ref.fof_labels(pos - step, box, link), labels)):
+            if not (
+                np.array_equal(ref.fof_labels(pos + step, box, link), labels)
+                and np.array_equal(ref.fof_labels(pos - step, box, link), labels)
+            ):
                 continue  # the step changed membership
             fd = (f(*_shard(mesh, pos + step), v0)[0] - f(*_shard(mesh, pos - step), v0)[0]) / 2e-2
             np.testing.assert_allclose(grad_p[i, d], fd, rtol=0.05, atol=5e-4)
@@ -207,31 +214,46 @@ def test_centre_of_mass_and_velocity_gradients_match_finite_differences():
     (t_sharded,) = _shard(mesh, t)
 
     def squares(c):
-        _, cat = jh.fof(p0 + c * t_sharded, box, link, min_members=20, mesh=mesh,
-                        config=config)
+        _, cat = jh.fof(p0 + c * t_sharded, box, link, min_members=20, mesh=mesh, config=config)
         valid = (cat.id >= 0)[:, None]
         dots = jnp.sum(jnp.where(valid, cat.pos * weights[jnp.maximum(cat.id, 0)], 0), axis=1)
-        return jnp.sum(dots ** 2)
+        return jnp.sum(dots**2)
 
     want = 0.0
     for h in np.unique(labels[in_halo]):
         members = labels == h
-        want += 2 * float(np.dot(np.asarray(weights)[np.nonzero(members)[0].min()],
-                                 t[members].mean(axis=0))) ** 2
+        want += (
+            2
+            * float(
+                np.dot(np.asarray(weights)[np.nonzero(members)[0].min()], t[members].mean(axis=0))
+            )
+            ** 2
+        )
     np.testing.assert_allclose(float(jax.jit(jax.hessian(squares))(0.0)), want, rtol=1e-4)
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("knob", ["capacity_factor"] + [
-    pytest.param(knob, marks=pytest.mark.slow)
-    for knob in ("ghost_factor", "image_factor", "transfer_factor", "max_halos")])
+@pytest.mark.parametrize(
+    "knob",
+    ["capacity_factor"]
+    + [
+        pytest.param(knob, marks=pytest.mark.slow)
+        for knob in ("ghost_factor", "image_factor", "transfer_factor", "max_halos")
+    ],
+)
 def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
     pos, _, _, want_labels, _ = adversarial
     mesh = make_mesh((2, 4))
     (p,) = _shard(mesh, pos)
-    tiny = {"transfer_factor": 0.01, "capacity_factor": 0.5, "ghost_factor": 0.001,
-            "image_factor": 0.001, "max_halos": 2}
+    tiny = {
+        "transfer_factor": 0.01,
+        "capacity_factor": 0.5,
+        "ghost_factor": 0.001,
+        "image_factor": 0.001,
+        "max_halos": 2,
+    }
     field = "max_halos" if knob == "max_halos" else knob
+
     def config_with(value):
         if knob == "max_halos":
             return dataclasses.replace(FACES, max_halos=value)
@@ -244,8 +266,9 @@ def test_overflow_raises_with_a_value_that_then_works(adversarial, knob):
     assert str(info.value.failure.limit.knob).endswith(field)
     value = re.search(rf"{field}=([0-9.]+)", str(info.value)).group(1)
     value = int(value) if knob == "max_halos" else float(value)
-    labels, cat = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config_with(value),
-                         grow=False)
+    labels, cat = jh.fof(
+        p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config_with(value), grow=False
+    )
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
     # By default the call grows the buffer itself and warns once, naming a config that fits.
     with pytest.warns(jh.GrowthWarning, match=field) as warned:
@@ -264,27 +287,31 @@ def test_suggestions_applied_as_written_keep_earlier_fixes(adversarial):
     measured on cut groups, waits for its own."""
     pos, _, _, want_labels, _ = adversarial
     (p,) = _shard(make_mesh((2, 4)), pos)
-    config = jh.FoFConfig(max_halos=2, domain=jh.DomainConfig(ghost_factor=0.001,
-                                                             image_factor=0.001))
+    config = jh.FoFConfig(
+        max_halos=2, domain=jh.DomainConfig(ghost_factor=0.001, image_factor=0.001)
+    )
     fixed, messages = [], []
     for _ in range(4):
         try:
-            labels, _ = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config,
-                               grow=False)
+            labels, _ = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, config=config, grow=False)
             break
         except jh.CapacityError as error:
             setting = re.search(r"Rerun with config=(FoFConfig\(.*?\))\.(?: |$)", str(error))
             assert setting, str(error)
             fixed.append(re.search(r"but (\w+\.\w+) gives", str(error)).group(1))
             messages.append(str(error))
-            config = eval(setting.group(1), {"FoFConfig": jh.FoFConfig,
-                                             "DomainConfig": jh.DomainConfig})
+            config = eval(
+                setting.group(1), {"FoFConfig": jh.FoFConfig, "DomainConfig": jh.DomainConfig}
+            )
     else:
         pytest.fail(f"still overflowing after fixing {fixed}")
     # The first suggestion grew the z images too, to what they needed on cut ghosts.
     assert "also grows 'z images'" in messages[0] and "image_factor=0.001" not in messages[0]
-    assert fixed == ["DomainConfig.ghost_factor", "DomainConfig.image_factor",
-                     "FoFConfig.max_halos"]
+    assert fixed == [
+        "DomainConfig.ghost_factor",
+        "DomainConfig.image_factor",
+        "FoFConfig.max_halos",
+    ]
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
 
 
@@ -299,8 +326,14 @@ def test_one_suggestion_fits_a_clump_that_overflows_transfer_and_capacity():
     with pytest.raises(jh.CapacityError, match="also grows 'capacity'") as info:
         jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS, grow=False)
     assert info.value.failure.buffer == "transfer"
-    labels, cat = jh.fof(p, BOX, L_LINK, min_members=MIN_MEMBERS,
-                         config=info.value.failure.grown(jh.FoFConfig()), grow=False)
+    labels, cat = jh.fof(
+        p,
+        BOX,
+        L_LINK,
+        min_members=MIN_MEMBERS,
+        config=info.value.failure.grown(jh.FoFConfig()),
+        grow=False,
+    )
     np.testing.assert_array_equal(np.asarray(labels), ref.fof_labels(pos, BOX, L_LINK))
 
 
@@ -332,27 +365,45 @@ def test_non_finite_positions_are_reported_and_excluded(adversarial):
     np.testing.assert_array_equal(got, np.nonzero(keep)[0][want])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(linking_length=0.0), "positive"),
-    (dict(linking_length=-1.0), "positive"),
-    (dict(linking_length=0.2, min_members=0), "min_members"),
-    (dict(linking_length=0.2, b=0.2), "exactly one"),
-    (dict(linking_length=3.0, mesh_shape=(1, 8)),
-     r"wider than a pencil \(2.0\) of the \(1, 8\) mesh; use a linking length <= 1.9999 "),
-    # The box's own limit is named first, where fewer devices cannot help.
-    (dict(linking_length=BOX / 2, mesh_shape=(1, 1)),
-     r"must be below a third of the box 16.0: use a linking length < 16 / 3$"),
-    (dict(linking_length=BOX / 2, mesh_shape=(1, 8)),  # with a length that fits both
-     r"must be below a third of the box 16.0: use a linking length <= 1.9999$"),
-    # A domain nested in the SO or kNN settings (pasted from their own calls' messages) is
-    # refused, not ignored: config.domain sizes fof's one decomposition.
-    (dict(linking_length=0.2, config=jh.FoFConfig(
-        so=jh.SOConfig(domain=jh.DomainConfig(ghost_factor=2.0)))),
-     r"pass config=FoFConfig\(domain=DomainConfig\(ghost_factor=2.0\), ...\) instead of so="),
-    (dict(linking_length=0.2, centre="peak", config=jh.FoFConfig(
-        knn=jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=3.0)))),
-     r"instead of knn=\.\.\.\(domain="),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(linking_length=0.0), "positive"),
+        (dict(linking_length=-1.0), "positive"),
+        (dict(linking_length=0.2, min_members=0), "min_members"),
+        (dict(linking_length=0.2, b=0.2), "exactly one"),
+        (
+            dict(linking_length=3.0, mesh_shape=(1, 8)),
+            r"wider than a pencil \(2.0\) of the \(1, 8\) mesh; use a linking length <= 1.9999 ",
+        ),
+        # The box's own limit is named first, where fewer devices cannot help.
+        (
+            dict(linking_length=BOX / 2, mesh_shape=(1, 1)),
+            r"must be below a third of the box 16.0: use a linking length < 16 / 3$",
+        ),
+        (
+            dict(linking_length=BOX / 2, mesh_shape=(1, 8)),  # with a length that fits both
+            r"must be below a third of the box 16.0: use a linking length <= 1.9999$",
+        ),
+        # A domain nested in the SO or kNN settings (pasted from their own calls' messages) is
+        # refused, not ignored: config.domain sizes fof's one decomposition.
+        (
+            dict(
+                linking_length=0.2,
+                config=jh.FoFConfig(so=jh.SOConfig(domain=jh.DomainConfig(ghost_factor=2.0))),
+            ),
+            r"pass config=FoFConfig\(domain=DomainConfig\(ghost_factor=2.0\), ...\) instead of so=",
+        ),
+        (
+            dict(
+                linking_length=0.2,
+                centre="peak",
+                config=jh.FoFConfig(knn=jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=3.0))),
+            ),
+            r"instead of knn=\.\.\.\(domain=",
+        ),
+    ],
+)
 def test_bad_arguments_raise(adversarial, kwargs, message):
     pos = adversarial[0]
     mesh_shape = kwargs.pop("mesh_shape", None)
@@ -369,10 +420,12 @@ def test_velocity_dispersion_of_a_fast_cold_group(shape):
     partial rows from four devices are pooled."""
     rng = np.random.default_rng(7)
     centre = np.array([BOX / 2, BOX / 4, 3.0])
-    pos = np.concatenate([centre + rng.normal(0, 0.05, (40, 3)),
-                          rng.uniform(0, BOX, (88, 3))]).astype(np.float32)
-    vel = np.concatenate([np.array([1e4, -7e3, 2e3]) + rng.normal(0, 3.0, (40, 3)),
-                          rng.normal(0, 300.0, (88, 3))]).astype(np.float32)
+    pos = np.concatenate(
+        [centre + rng.normal(0, 0.05, (40, 3)), rng.uniform(0, BOX, (88, 3))]
+    ).astype(np.float32)
+    vel = np.concatenate(
+        [np.array([1e4, -7e3, 2e3]) + rng.normal(0, 3.0, (40, 3)), rng.normal(0, 300.0, (88, 3))]
+    ).astype(np.float32)
     mass = rng.uniform(0.5, 2.0, 128).astype(np.float32)
     x, v, m = _shard(make_mesh(shape), pos, vel, mass)
     _, cat = jh.fof(x, BOX, 0.3, vel=v, mass=m, min_members=20)
@@ -390,17 +443,24 @@ def test_velocity_dispersion_of_a_fast_cold_group(shape):
 def test_particle_count_not_divisible_by_the_devices(adversarial, shape):
     """N = 4093 on 8 devices: padded to 4096 inside, the padding takes no part (labels,
     catalogue, the mean separation behind ``b``)."""
-    pos, vel, mass = (a[:N - 3] for a in adversarial[:3])
+    pos, vel, mass = (a[: N - 3] for a in adversarial[:3])
     want_labels = ref.fof_labels(pos, BOX, L_LINK)
-    labels, cat = jh.fof(pos, BOX, L_LINK, vel=vel, mass=mass, min_members=MIN_MEMBERS,
-                         mesh=make_mesh(shape), config=FACES)
+    labels, cat = jh.fof(
+        pos,
+        BOX,
+        L_LINK,
+        vel=vel,
+        mass=mass,
+        min_members=MIN_MEMBERS,
+        mesh=make_mesh(shape),
+        config=FACES,
+    )
     assert labels.shape == (N - 3,)
     np.testing.assert_array_equal(np.asarray(labels), want_labels)
     _assert_catalogue(cat.to_numpy(), ref.catalogue(pos, BOX, want_labels, MIN_MEMBERS, vel, mass))
     b_link = 0.2 * (BOX / (N - 3) ** (1 / 3))  # b times the mean separation of 4093
     assert ref.unambiguous_linking_length(pos, BOX, b_link) == b_link
-    by_b, _ = jh.fof(pos, BOX, b=0.2, min_members=MIN_MEMBERS, mesh=make_mesh(shape),
-                     config=FACES)
+    by_b, _ = jh.fof(pos, BOX, b=0.2, min_members=MIN_MEMBERS, mesh=make_mesh(shape), config=FACES)
     np.testing.assert_array_equal(np.asarray(by_b), ref.fof_labels(pos, BOX, b_link))
 
 
@@ -417,8 +477,9 @@ def _clumps_at_tiny_link(seed, box, link):
     edges = [0.0, box / 8, box / 4, box / 2, 3 * box / 4]
     centres = [[x, y, z] for x in edges[::2] for y in edges for z in (0.0, box / 2)][:30]
     clumps = [np.asarray(c) + rng.normal(0, 0.4 * link, (40, 3)) for c in centres]
-    chain = np.asarray([box / 2, box / 3, box / 5]) + np.outer(np.arange(-20, 20) * 0.9 * link,
-                                                                [1.0, 0.0, 0.0])
+    chain = np.asarray([box / 2, box / 3, box / 5]) + np.outer(
+        np.arange(-20, 20) * 0.9 * link, [1.0, 0.0, 0.0]
+    )
     background = rng.uniform(0, box, (N - 40 * len(centres) - len(chain) - 16, 3))
     duplicates = np.repeat(background[:8], 2, axis=0)
     pos = np.mod(np.concatenate(clumps + [chain, background, duplicates]), box)
@@ -440,8 +501,11 @@ def test_memory_follows_particles_not_box_over_linking_length(box, link):
 @pytest.mark.parametrize("shape, case", [((2, 4), 1), ((8, 1), 0)])
 def test_labels_match_scipy_at_tiny_linking_length(shape, case):
     box, link = TINY_LINK_CASES[case]
-    pos = next(pos for (pos,) in (_clumps_at_tiny_link(seed, box, link) for seed in range(20))
-               if ref.unambiguous_linking_length(pos, box, link) == link)
+    pos = next(
+        pos
+        for (pos,) in (_clumps_at_tiny_link(seed, box, link) for seed in range(20))
+        if ref.unambiguous_linking_length(pos, box, link) == link
+    )
     want = ref.fof_labels(pos, box, link)
     assert np.bincount(want).max() >= 40 and len(np.unique(want)) < N - 500
     (p,) = _shard(make_mesh(shape), pos)
@@ -456,11 +520,15 @@ def test_labels_match_scipy_at_tiny_linking_length(shape, case):
 # run whose labels differed from scipy's for one particle of 16.7M when FoF decided every
 # pair in float32 (found on the H200's 256^3 snapshot): in float64 they lie 1.8e-8 and
 # 1.9e-8 (relative) beyond l, and their float32 squared distance rounds to float32(l^2).
-KNIFE_EDGE_PAIRS = np.array([[101.22163391113281, 65.6764907836914, 172.69638061523438],
-                             [101.14173889160156, 65.52056121826172, 172.79283142089844],
-                             [156.8112335205078, 116.94847869873047, 229.57008361816406],
-                             [156.73838806152344, 117.01930236816406, 229.7423553466797]],
-                            np.float32)
+KNIFE_EDGE_PAIRS = np.array(
+    [
+        [101.22163391113281, 65.6764907836914, 172.69638061523438],
+        [101.14173889160156, 65.52056121826172, 172.79283142089844],
+        [156.8112335205078, 116.94847869873047, 229.57008361816406],
+        [156.73838806152344, 117.01930236816406, 229.7423553466797],
+    ],
+    np.float32,
+)
 
 
 def _pairs_at_the_linking_length(box, link, pairs, seed=0):
@@ -480,8 +548,12 @@ def _pairs_at_the_linking_length(box, link, pairs, seed=0):
     d = pos[:, 0].astype(np.float64) - pos[:, 1]
     d -= box * np.round(d / box)
     close = np.abs(np.sqrt((d * d).sum(1)) / link - 1) < 2e-7
-    keep = np.concatenate([np.nonzero(close[: draws // 3])[0][: pairs // 3],
-                           np.nonzero(close[draws // 3:])[0][: pairs - pairs // 3] + draws // 3])
+    keep = np.concatenate(
+        [
+            np.nonzero(close[: draws // 3])[0][: pairs // 3],
+            np.nonzero(close[draws // 3 :])[0][: pairs - pairs // 3] + draws // 3,
+        ]
+    )
     return np.concatenate([KNIFE_EDGE_PAIRS, pos[keep].reshape(-1, 3)])
 
 
@@ -495,15 +567,21 @@ def test_labels_match_scipy_for_pairs_within_float32_rounding_of_the_linking_len
     d2 = np.asarray(periodic_distance2(pos[0::2], pos[1::2], box))
     float32_links = d2 <= np.float32(link * link)
     assert np.sum(float32_links != (want[0::2] == want[1::2])) >= 3
-    labels, cat = jh.fof(pos, box, link, min_members=2, mesh=mesh,
-                         config=jh.FoFConfig(domain=jh.DomainConfig(capacity_factor=3.0,
-                                                                    ghost_factor=2.5)))
+    labels, cat = jh.fof(
+        pos,
+        box,
+        link,
+        min_members=2,
+        mesh=mesh,
+        config=jh.FoFConfig(domain=jh.DomainConfig(capacity_factor=3.0, ghost_factor=2.5)),
+    )
     np.testing.assert_array_equal(np.asarray(labels), want)
-    np.testing.assert_array_equal(cat.to_numpy()["count"], np.bincount(want)[np.bincount(want) >= 2])
+    np.testing.assert_array_equal(
+        cat.to_numpy()["count"], np.bincount(want)[np.bincount(want) >= 2]
+    )
 
 
-@pytest.mark.parametrize("pos", [np.zeros((10, 2), np.float32),
-                                 np.zeros((4, 4, 3, 3), np.float32)])
+@pytest.mark.parametrize("pos", [np.zeros((10, 2), np.float32), np.zeros((4, 4, 3, 3), np.float32)])
 def test_bad_shapes_raise(pos):
     with pytest.raises(ValueError, match="shape"):
         jh.fof(pos, BOX, 0.2)
@@ -513,12 +591,12 @@ def test_bad_box_and_mesh_raise(adversarial):
     pos = adversarial[0]
     with pytest.raises(ValueError, match="box_size"):
         jh.fof(pos, 0.0, 0.2)
-    mesh3 = jax.make_mesh((2, 2, 2), ("a", "b", "c"),
-                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mesh3 = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     with pytest.raises(ValueError, match="at most two mesh axes"):
         jh.fof(pos, BOX, 0.2, mesh=mesh3)
-    grid = jax.device_put(np.zeros((8, 8, 8, 3), np.float32),
-                          NamedSharding(make_mesh((2, 4)), P(None, None, "x")))
+    grid = jax.device_put(
+        np.zeros((8, 8, 8, 3), np.float32), NamedSharding(make_mesh((2, 4)), P(None, None, "x"))
+    )
     with pytest.raises(ValueError, match="first two axes"):
         jh.fof(grid, BOX, 0.2)
 
@@ -534,8 +612,9 @@ def test_local_api_inside_user_shard_map(adversarial):
             i = jax.lax.axis_index(("row", "col"))
             n = block.shape[0]
             parts = jh.Particles.create(block, BOX, id=i * n + jnp.arange(n))
-            domain, labels, cat = jh.fof_local(parts, L_LINK, axes=("row", "col"),
-                                               min_members=MIN_MEMBERS, config=config)
+            domain, labels, cat = jh.fof_local(
+                parts, L_LINK, axes=("row", "col"), min_members=MIN_MEMBERS, config=config
+            )
             return domain.id, labels, cat.id, cat.num[None], cat.status.ok[None]
 
         # shard_map's default check_vma=True: its loops used to be refused there.
@@ -553,27 +632,34 @@ def test_local_api_inside_user_shard_map(adversarial):
     got = np.sort(np.concatenate([r[:k] for r, k in zip(rows, num)]))
     np.testing.assert_array_equal(got, want_cat["id"])
     # A linking length whose ghost layer is wider than a pencil (4 along "row") is refused.
-    wide = jax.shard_map(lambda b: jh.fof_local(jh.Particles.create(b, BOX), BOX / 3.5,
-                                                axes=("row", "col"))[1],
-                         mesh=mesh, in_specs=spec, out_specs=spec)
+    wide = jax.shard_map(
+        lambda b: jh.fof_local(jh.Particles.create(b, BOX), BOX / 3.5, axes=("row", "col"))[1],
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
     with pytest.raises(ValueError, match=r"wider than a pencil \(4.0\) of the \(4, 2\) mesh"):
         jax.eval_shape(wide, p)
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("shape", [(2, 4)] + [pytest.param(s, marks=pytest.mark.slow)
-                                   for s in ((8, 1), (1, 1))])
+@pytest.mark.parametrize(
+    "shape", [(2, 4)] + [pytest.param(s, marks=pytest.mark.slow) for s in ((8, 1), (1, 1))]
+)
 def test_groups_reaching_half_the_box_are_flagged_percolating(shape):
     """A chain spanning the whole box along x and a diagonal chain reaching 0.6 L along y
     percolate or reach past L / 2; a chain of 0.4 L and compact clumps do not. The flag is
     computed from pieces on several devices, so every mesh must agree."""
     box, link = 16.0, 0.5
     step = 0.9 * link
-    along = lambda start, length, axis: np.asarray(start) + np.outer(
-        np.arange(int(length / step)) * step, np.eye(3)[axis])
-    chains = {"whole box": along([0.0, 3.1, 5.2], box, 0),       # wraps onto itself
-              "0.6 L": along([7.3, 9.0, 11.1], 0.6 * box, 1),   # crosses the y seam
-              "0.4 L": along([2.2, 13.3, 1.4], 0.4 * box, 2)}
+    along = lambda start, length, axis: (
+        np.asarray(start) + np.outer(np.arange(int(length / step)) * step, np.eye(3)[axis])
+    )
+    chains = {
+        "whole box": along([0.0, 3.1, 5.2], box, 0),  # wraps onto itself
+        "0.6 L": along([7.3, 9.0, 11.1], 0.6 * box, 1),  # crosses the y seam
+        "0.4 L": along([2.2, 13.3, 1.4], 0.4 * box, 2),
+    }
     rng = np.random.default_rng(1)
     clumps = [c + rng.normal(0, 0.1, (30, 3)) for c in ([12.0, 12.0, 8.0], [4.0, 0.0, 15.9])]
     pos = np.mod(np.concatenate(list(chains.values()) + clumps), box).astype(np.float32)
@@ -595,8 +681,10 @@ def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survive
     callback failing on device 0 while the others waited in an all-to-all). The check now
     runs on every device after the data it guards: a clean error, and the next call works."""
     rng = np.random.default_rng(0)
-    pos = (np.concatenate([rng.normal([50, 25, 50], 0.3, (2048, 3)),
-                           rng.uniform(0, 100, (2048, 3))]) % 100).astype(np.float32)
+    pos = (
+        np.concatenate([rng.normal([50, 25, 50], 0.3, (2048, 3)), rng.uniform(0, 100, (2048, 3))])
+        % 100
+    ).astype(np.float32)
     (p,) = _shard(make_mesh((2, 4)), pos)
 
     def labels_checked(p, config, threaded):
@@ -609,15 +697,20 @@ def test_error_if_inside_jit_raises_on_every_mesh_device_and_the_process_survive
     run = jax.jit(labels_checked, static_argnums=(1, 2))
     mine = jh.FoFConfig(max_halos=64)
     # With the config it ran with, the suggestion is that config, pasteable; without, the knob's.
-    with pytest.raises(Exception, match=r"buffer 'ghosts' overflowed.* Rerun with "
-                       r"config=FoFConfig\(max_halos=64, domain=DomainConfig\(ghost_factor="):
+    with pytest.raises(
+        Exception,
+        match=r"buffer 'ghosts' overflowed.* Rerun with "
+        r"config=FoFConfig\(max_halos=64, domain=DomainConfig\(ghost_factor=",
+    ):
         jax.block_until_ready(run(p, mine, True))
-    with pytest.raises(Exception, match=r"buffer 'ghosts' overflowed.* Rerun with "
-                       r"DomainConfig\(ghost_factor="):
+    with pytest.raises(
+        Exception,
+        match=r"buffer 'ghosts' overflowed.* Rerun with "
+        r"DomainConfig\(ghost_factor=",
+    ):
         jax.block_until_ready(run(p, mine, False))
     fits = jh.FoFConfig(domain=jh.DomainConfig(ghost_factor=2.5))
-    np.testing.assert_array_equal(np.asarray(run(p, fits, True)),
-                                  ref.fof_labels(pos, 100.0, 2.5))
+    np.testing.assert_array_equal(np.asarray(run(p, fits, True)), ref.fof_labels(pos, 100.0, 2.5))
 
 
 def test_compiler_options_are_a_fresh_dict_the_jaxlib_knows():
@@ -663,15 +756,19 @@ def test_pair_chunks_visit_every_pair_once_however_many_spans():
         return seen.at[i, j].add(live.astype(jnp.int32))
 
     for cap in (rows, 7 * rows, None):
-        got = jax.jit(lambda a, b: for_each_pair_chunk(a, b, chunk, body,
-                                                       jnp.zeros((rows, rows), jnp.int32),
-                                                       cap))(starts, ends)
+        got = jax.jit(
+            lambda a, b: for_each_pair_chunk(
+                a, b, chunk, body, jnp.zeros((rows, rows), jnp.int32), cap
+            )
+        )(starts, ends)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"cap {cap}")
 
     values = np.full(6, 2**29, np.int32)  # their running sum passes 2**31 at the fourth
     assert np.asarray(jnp.cumsum(values))[3] < 0  # what a plain int32 sum does
-    np.testing.assert_array_equal(np.asarray(saturating_cumsum(values, 2**30 - 2)),
-                                  [2**29, 2**30 - 1, 2**30 - 1, 2**30 - 1, 2**30 - 1, 2**30 - 1])
+    np.testing.assert_array_equal(
+        np.asarray(saturating_cumsum(values, 2**30 - 2)),
+        [2**29, 2**30 - 1, 2**30 - 1, 2**30 - 1, 2**30 - 1, 2**30 - 1],
+    )
 
 
 @pytest.mark.slow

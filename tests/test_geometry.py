@@ -65,8 +65,11 @@ def test_every_product_of_the_float64_split_square_is_exact():
     hi, lo = _split(d)
     assert np.array_equal(hi + lo, d)
     for h, l in zip(hi.tolist(), lo.tolist()):
-        for got, exact in ((h * h, Fraction(h) ** 2), (l * l, Fraction(l) ** 2),
-                           (h * (l + l), 2 * Fraction(h) * Fraction(l))):
+        for got, exact in (
+            (h * h, Fraction(h) ** 2),
+            (l * l, Fraction(l) ** 2),
+            (h * (l + l), 2 * Fraction(h) * Fraction(l)),
+        ):
             assert Fraction(got) == exact, (h, l)
 
 
@@ -93,8 +96,13 @@ X64_CHILD = textwrap.dedent("""
 def test_compiled_float64_squared_distances_equal_numpys_bits():
     """With ``jax_enable_x64`` (a global flag, so in a child process), float64 squared
     distances are numpy's split sum bit for bit too."""
-    out = subprocess.run([sys.executable, "-c", X64_CHILD], capture_output=True, text=True,
-                         cwd=Path(__file__).parent, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", X64_CHILD],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+        timeout=300,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
@@ -105,8 +113,9 @@ def test_compiled_squared_distances_equal_numpys_bits_and_the_true_square():
     box = 100.0
     rng = np.random.default_rng(1)
     a = rng.uniform(0, box, (100_000, 3)).astype(np.float32)
-    b = np.mod(a + rng.normal(0, 1, a.shape) * 10.0 ** rng.uniform(-5, 1.5, a.shape),
-               box).astype(np.float32)
+    b = np.mod(a + rng.normal(0, 1, a.shape) * 10.0 ** rng.uniform(-5, 1.5, a.shape), box).astype(
+        np.float32
+    )
     got = np.asarray(jax.jit(periodic_distance2, static_argnums=2)(a, b, box))
 
     d, want = _split_distance2(a, b, box)
@@ -161,7 +170,7 @@ def test_exactly_within_decides_as_exact_rationals():
     # Differences (0.1875, 0.25, 0), the second across x = L: 0.3125 apart exactly.
     a = np.concatenate([a, np.float32([[0.25, 0.5, 0.0], [255.875, 3.0, 7.0]])])
     b = np.concatenate([b, np.float32([[0.4375, 0.75, 0.0], [0.0625, 3.25, 7.0]])])
-    for squared_length in (link * link, 0.3125 ** 2):
+    for squared_length in (link * link, 0.3125**2):
         want = _exactly_within_reference(a, b, box, squared_length)
         got = np.asarray(jax.jit(lambda a, b: exactly_within(a, b, box, squared_length))(a, b))
         np.testing.assert_array_equal(got, want)

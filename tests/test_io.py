@@ -8,33 +8,51 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpm_halos
 from jaxpm_halos.io import INSITU_UNITS, gather_catalogue, load_catalogue, write_catalogue
 
 pytestmark = pytest.mark.newest  # all of it in .ci/run's leg 2, less its leg1 parts
 
-COSMO = {"Omega_c": 0.25, "Omega_b": 0.0486, "h": 0.6774, "n_s": 0.9667, "sigma8": 0.8,
-         "name": "Planck15 variant"}
-META = dict(box_size=32.0, nc=16, a=0.5, cosmology=COSMO, linking_length=0.4, b=0.2,
-            min_members=5, units=INSITU_UNITS)
+COSMO = {
+    "Omega_c": 0.25,
+    "Omega_b": 0.0486,
+    "h": 0.6774,
+    "n_s": 0.9667,
+    "sigma8": 0.8,
+    "name": "Planck15 variant",
+}
+META = dict(
+    box_size=32.0,
+    nc=16,
+    a=0.5,
+    cosmology=COSMO,
+    linking_length=0.4,
+    b=0.2,
+    min_members=5,
+    units=INSITU_UNITS,
+)
 
 
 def _catalogue(rng, n):
-    return {"id": np.sort(rng.choice(4096, n, replace=False)).astype(np.int32),
-            "count": rng.integers(5, 300, n).astype(np.int32),
-            "mass": rng.uniform(1e12, 1e15, n).astype(np.float32),
-            "pos": rng.uniform(0, 32, (n, 3)).astype(np.float32),
-            "vel": rng.normal(0, 300, (n, 3)).astype(np.float32),
-            "vel_disp": rng.uniform(10, 900, n).astype(np.float32),
-            "radius": rng.uniform(0.05, 1.0, n).astype(np.float32)}
+    return {
+        "id": np.sort(rng.choice(4096, n, replace=False)).astype(np.int32),
+        "count": rng.integers(5, 300, n).astype(np.int32),
+        "mass": rng.uniform(1e12, 1e15, n).astype(np.float32),
+        "pos": rng.uniform(0, 32, (n, 3)).astype(np.float32),
+        "vel": rng.normal(0, 300, (n, 3)).astype(np.float32),
+        "vel_disp": rng.uniform(10, 900, n).astype(np.float32),
+        "radius": rng.uniform(0.05, 1.0, n).astype(np.float32),
+    }
 
 
 def test_round_trip_numpy(tmp_path):
     cat = _catalogue(np.random.default_rng(0), 37)
-    path = write_catalogue(tmp_path / "sub" / "halos.h5", cat, **META,
-                           attrs={"steps": 10, "mesh": np.array([2, 4])})
+    path = write_catalogue(
+        tmp_path / "sub" / "halos.h5", cat, **META, attrs={"steps": 10, "mesh": np.array([2, 4])}
+    )
     got = load_catalogue(path)
     assert set(got.keys()) == set(cat)
     for name, value in cat.items():
@@ -67,8 +85,11 @@ def test_round_trip_custom_units_and_empty(tmp_path):
     assert not (tmp_path / "typo.h5").exists()
     # names of other catalogues' fields, attributes and standard SO datasets are accepted
     shared = {**INSITU_UNITS, "m200c": "Msun/h", "r500c": "Mpc/h", "steps": "PM steps"}
-    got = load_catalogue(write_catalogue(tmp_path / "shared.h5", cat, **{**META, "units": shared},
-                                         attrs={"steps": 10}))
+    got = load_catalogue(
+        write_catalogue(
+            tmp_path / "shared.h5", cat, **{**META, "units": shared}, attrs={"steps": 10}
+        )
+    )
     assert got.attrs["units"] == shared
 
 
@@ -107,8 +128,11 @@ def test_round_trip_of_a_sharded_catalogue(tmp_path):
         gather_catalogue(stacked, snapshot=2)
     with pytest.raises(ValueError, match="snapshot"):
         gather_catalogue(stacked)
-    with pytest.raises(ValueError, match=r"stacked over snapshots \(as InSitu.saveat returns "
-                                         r"it\): take one with jaxpm_halos.gather_catalogue"):
+    with pytest.raises(
+        ValueError,
+        match=r"stacked over snapshots \(as InSitu.saveat returns "
+        r"it\): take one with jaxpm_halos.gather_catalogue",
+    ):
         stacked.to_numpy()  # raised an IndexError
     with pytest.raises(ValueError, match="snapshot"):
         gather_catalogue(cat, snapshot=0)
@@ -116,18 +140,25 @@ def test_round_trip_of_a_sharded_catalogue(tmp_path):
     # A catalogue whose status failed (a buffer overflowed, or positions were left out
     # inside jit) used to be written as if complete.
     name, limit = cat.status.limits[0]
-    overflowed = dataclasses.replace(cat, status=dataclasses.replace(
-        cat.status, needed={**cat.status.needed, name: jnp.int32(limit.rows + 1)}))
-    with pytest.raises(jaxpm_halos.CapacityError, match=rf"the catalogue is incomplete or "
-                       rf"wrong, its status failed: jaxpm_halos: buffer '{name}' overflowed"):
+    overflowed = dataclasses.replace(
+        cat,
+        status=dataclasses.replace(
+            cat.status, needed={**cat.status.needed, name: jnp.int32(limit.rows + 1)}
+        ),
+    )
+    with pytest.raises(
+        jaxpm_halos.CapacityError,
+        match=rf"the catalogue is incomplete or "
+        rf"wrong, its status failed: jaxpm_halos: buffer '{name}' overflowed",
+    ):
         write_catalogue(tmp_path / "overflowed.h5", overflowed, **META)
     assert not (tmp_path / "overflowed.h5").exists()
-    nonfinite = dataclasses.replace(cat, status=dataclasses.replace(cat.status,
-                                                                    nonfinite=jnp.int32(3)))
+    nonfinite = dataclasses.replace(
+        cat, status=dataclasses.replace(cat.status, nonfinite=jnp.int32(3))
+    )
     with pytest.raises(jaxpm_halos.InvalidInputError, match="3 particle positions"):
         gather_catalogue(nonfinite)
-    got = load_catalogue(write_catalogue(tmp_path / "anyway.h5", nonfinite, **META,
-                                         throw=False))
+    got = load_catalogue(write_catalogue(tmp_path / "anyway.h5", nonfinite, **META, throw=False))
     np.testing.assert_array_equal(got["id"], expected["id"])
     # Stacked: only the snapshot whose status failed is refused.
     stacked = jax.tree.map(lambda x, y: jnp.stack([x, y]), nonfinite, cat)
@@ -144,33 +175,42 @@ def test_load_rejects_other_files(tmp_path):
         load_catalogue(path)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(a=0.0), "a must be positive and finite, got 0.0"),
-    (dict(a=-0.5), "a must be positive and finite"),
-    (dict(a=float("nan")), "a must be positive and finite, got nan"),
-    (dict(a=float("inf")), "a must be positive and finite"),
-    (dict(nc=16.7), "nc must be an integer, got 16.7"),
-    (dict(nc=0), "nc must be at least 1"),
-    (dict(nc=True), "nc must be an integer"),
-    (dict(box_size=-32.0), "box_size must be positive and finite"),
-    (dict(box_size=float("inf")), "box_size must be positive and finite"),
-    (dict(b=0.0), "b must be positive and finite"),
-    (dict(linking_length=float("nan")), "linking_length must be positive and finite"),
-    (dict(min_members=2.5), "min_members must be an integer"),
-    # metadata that contradicts itself or the rows (the catalogue's groups have >= 5)
-    (dict(linking_length=0.5), r"linking_length=0.5 is not b \* box_size / nc = "
-                               r"0.2 \* 32 / 16 = 0.4"),
-    (dict(min_members=400), r"min_members=400, but the catalogue holds a group of \d+ "
-                            "members"),
-    (dict(attrs={"format": "mine"}), r"attrs: 'format' is reserved"),
-    (dict(attrs={"num_halos": 99999}), r"attrs: 'num_halos' is reserved"),
-    (dict(attrs={"cosmology": 1}), r"attrs: 'cosmology' is reserved"),
-    (dict(attrs={"note": None}), r"attrs\['note'\]: HDF5 attributes hold numbers"),
-    (dict(attrs={"note": {"x": 1}}), r"attrs\['note'\]"),
-    (dict(cosmology={"h": None}), r"cosmology\['h'\]"),
-    # numpy would make the number a string, read back as text
-    (dict(cosmology={"w": [-1.0, "wa"]}), r"cosmology\['w'\]: .* numbers or strings, not both"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(a=0.0), "a must be positive and finite, got 0.0"),
+        (dict(a=-0.5), "a must be positive and finite"),
+        (dict(a=float("nan")), "a must be positive and finite, got nan"),
+        (dict(a=float("inf")), "a must be positive and finite"),
+        (dict(nc=16.7), "nc must be an integer, got 16.7"),
+        (dict(nc=0), "nc must be at least 1"),
+        (dict(nc=True), "nc must be an integer"),
+        (dict(box_size=-32.0), "box_size must be positive and finite"),
+        (dict(box_size=float("inf")), "box_size must be positive and finite"),
+        (dict(b=0.0), "b must be positive and finite"),
+        (dict(linking_length=float("nan")), "linking_length must be positive and finite"),
+        (dict(min_members=2.5), "min_members must be an integer"),
+        # metadata that contradicts itself or the rows (the catalogue's groups have >= 5)
+        (
+            dict(linking_length=0.5),
+            r"linking_length=0.5 is not b \* box_size / nc = "
+            r"0.2 \* 32 / 16 = 0.4",
+        ),
+        (
+            dict(min_members=400),
+            r"min_members=400, but the catalogue holds a group of \d+ "
+            "members",
+        ),
+        (dict(attrs={"format": "mine"}), r"attrs: 'format' is reserved"),
+        (dict(attrs={"num_halos": 99999}), r"attrs: 'num_halos' is reserved"),
+        (dict(attrs={"cosmology": 1}), r"attrs: 'cosmology' is reserved"),
+        (dict(attrs={"note": None}), r"attrs\['note'\]: HDF5 attributes hold numbers"),
+        (dict(attrs={"note": {"x": 1}}), r"attrs\['note'\]"),
+        (dict(cosmology={"h": None}), r"cosmology\['h'\]"),
+        # numpy would make the number a string, read back as text
+        (dict(cosmology={"w": [-1.0, "wa"]}), r"cosmology\['w'\]: .* numbers or strings, not both"),
+    ],
+)
 def test_bad_settings_raise_before_any_file_is_made(tmp_path, change, message):
     cat = _catalogue(np.random.default_rng(4), 5)
     with pytest.raises(ValueError, match=message):
@@ -182,8 +222,11 @@ def test_a_catalogue_without_a_required_field_is_not_written(tmp_path):
     # load_catalogue refused the file afterwards ("the catalogue file lacks [...]").
     cat = _catalogue(np.random.default_rng(4), 5)
     partial = {name: cat[name] for name in ("id", "count", "pos")}
-    with pytest.raises(ValueError, match=r"the catalogue lacks \['mass', 'radius'\], which "
-                                         "load_catalogue requires"):
+    with pytest.raises(
+        ValueError,
+        match=r"the catalogue lacks \['mass', 'radius'\], which "
+        "load_catalogue requires",
+    ):
         write_catalogue(tmp_path / "partial.h5", partial, **META)
     assert list(tmp_path.iterdir()) == []
 
@@ -211,8 +254,9 @@ def test_a_directory_as_the_path_is_named_and_nothing_is_written(tmp_path):
 
 def test_string_array_attrs_round_trip(tmp_path):
     cat = _catalogue(np.random.default_rng(7), 3)
-    got = load_catalogue(write_catalogue(tmp_path / "s.h5", cat, **META,
-                                         attrs={"labels": np.array(["a", "bc"])}))
+    got = load_catalogue(
+        write_catalogue(tmp_path / "s.h5", cat, **META, attrs={"labels": np.array(["a", "bc"])})
+    )
     assert list(got.attrs["labels"]) == ["a", "bc"] and got.attrs["num_halos"] == 3
 
 
@@ -221,21 +265,32 @@ def _damaged(path, damage):
         damage(f)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda f: f.__delitem__("mass"), r"lacks \['mass'\]"),
-    (lambda f: f.__delitem__("id"), r"lacks \['id'\]"),
-    (lambda f: f.__delitem__("cosmology"), r"lacks \['cosmology'\]"),
-    (lambda f: (f.__delitem__("radius"), f.create_dataset("radius", data=np.ones(4))),
-     r"dataset 'radius' has shape \(4,\); with 5 ids it should be \(5,\)"),
-    (lambda f: (f.__delitem__("pos"), f.create_dataset("pos", data=np.ones((5, 2)))),
-     r"dataset 'pos' has shape \(5, 2\)"),
-    (lambda f: f.attrs.__setitem__("num_halos", 99999),
-     "num_halos is 99999, but the datasets hold 5 halos"),
-    (lambda f: f.attrs.__delitem__("num_halos"), "num_halos is None"),
-    # An SO definition listed without its datasets (it was silently left out).
-    (lambda f: f.attrs.__setitem__("so_definitions", ["200c"]),
-     r"so_definitions lists \['200c'\], but the file lacks \['m200c', 'r200c'\]"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: f.__delitem__("mass"), r"lacks \['mass'\]"),
+        (lambda f: f.__delitem__("id"), r"lacks \['id'\]"),
+        (lambda f: f.__delitem__("cosmology"), r"lacks \['cosmology'\]"),
+        (
+            lambda f: (f.__delitem__("radius"), f.create_dataset("radius", data=np.ones(4))),
+            r"dataset 'radius' has shape \(4,\); with 5 ids it should be \(5,\)",
+        ),
+        (
+            lambda f: (f.__delitem__("pos"), f.create_dataset("pos", data=np.ones((5, 2)))),
+            r"dataset 'pos' has shape \(5, 2\)",
+        ),
+        (
+            lambda f: f.attrs.__setitem__("num_halos", 99999),
+            "num_halos is 99999, but the datasets hold 5 halos",
+        ),
+        (lambda f: f.attrs.__delitem__("num_halos"), "num_halos is None"),
+        # An SO definition listed without its datasets (it was silently left out).
+        (
+            lambda f: f.attrs.__setitem__("so_definitions", ["200c"]),
+            r"so_definitions lists \['200c'\], but the file lacks \['m200c', 'r200c'\]",
+        ),
+    ],
+)
 def test_load_names_what_a_damaged_file_lacks(tmp_path, damage, message):
     cat = _catalogue(np.random.default_rng(8), 5)
     path = write_catalogue(tmp_path / "d.h5", cat, **META)
@@ -251,12 +306,25 @@ def test_round_trip_so_and_peak(tmp_path):
     with their units, definitions and centre; a numpy dict infers the centre from peak."""
     rng = np.random.default_rng(5)
     clumps = rng.uniform(0, 32, (6, 3))
-    pos = np.concatenate([c + rng.normal(0, 0.3, (80, 3)) for c in clumps]
-                         + [rng.uniform(0, 32, (1520, 3))])
-    pos = jax.device_put(jnp.asarray(np.mod(pos, 32).astype(np.float32)),
-                         NamedSharding(make_mesh((2, 4)), P(("x", "y"))))
-    _, cat = jaxpm_halos.fof(pos, 32.0, b=0.2, mass=1e11, min_members=5,
-                             so=("200c", "vir"), omega_m=0.3, a=0.5, centre="peak", k=8)
+    pos = np.concatenate(
+        [c + rng.normal(0, 0.3, (80, 3)) for c in clumps] + [rng.uniform(0, 32, (1520, 3))]
+    )
+    pos = jax.device_put(
+        jnp.asarray(np.mod(pos, 32).astype(np.float32)),
+        NamedSharding(make_mesh((2, 4)), P(("x", "y"))),
+    )
+    _, cat = jaxpm_halos.fof(
+        pos,
+        32.0,
+        b=0.2,
+        mass=1e11,
+        min_members=5,
+        so=("200c", "vir"),
+        omega_m=0.3,
+        a=0.5,
+        centre="peak",
+        k=8,
+    )
     expected = cat.to_numpy()
     assert {"peak", "m200c", "r200c", "mvir", "rvir"} <= set(expected)
     assert np.all(expected["m200c"] > 0)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh, requires_jaxpm
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpm_halos import Particles, from_jaxpm
 
@@ -36,7 +37,10 @@ def check_lattice_particles(p, disp, mom, box):
     assert pos.dtype == np.float32
     assert pos.min() >= 0 and pos.max() < box
     # float32 rounding of q + d (|q + d| < 2 nc) and of the scaling by box / nc
-    assert periodic_error(pos, expected_positions(disp, box), box) <= 8 * np.finfo(np.float32).eps * box
+    assert (
+        periodic_error(pos, expected_positions(disp, box), box)
+        <= 8 * np.finfo(np.float32).eps * box
+    )
     ids = np.asarray(p.id)
     assert ids.dtype == np.int32
     ix, iy, iz = np.indices((nc, nc, nc))
@@ -83,7 +87,9 @@ def test_keeps_sharding(jaxpm_snapshot_32, shape):
 
 def test_stacked_state_matches(jaxpm_snapshot_32):
     snap = jaxpm_snapshot_32
-    state = jax.device_put(np.stack([snap.disp, snap.mom]), NamedSharding(snap.mesh, P(None, "x", "y")))
+    state = jax.device_put(
+        np.stack([snap.disp, snap.mom]), NamedSharding(snap.mesh, P(None, "x", "y"))
+    )
     ps = from_jaxpm(state, box_size=snap.box_size)
     p = from_jaxpm(snap.disp_sharded, snap.mom_sharded, box_size=snap.box_size)
     for a, b in ((ps.pos, p.pos), (ps.id, p.id), (ps.vel, p.vel)):
@@ -110,13 +116,16 @@ def test_wrap_edges():
     """Positions that round onto the box edge fold back to 0, never L."""
     nc, box = 4, 3.0
     disp = np.zeros((nc, nc, nc, 3), np.float32)
-    disp[0, 0, 0] = [-1e-9, -2e-8, -nc]    # q + d just below 0, and exactly -nc
+    disp[0, 0, 0] = [-1e-9, -2e-8, -nc]  # q + d just below 0, and exactly -nc
     disp[-1, -1, -1] = [1.0, 1.0 - 1e-8, 2 * nc - 1]  # q + d = nc, just below nc, 3 nc - 2
     disp[1, 2, 3] = [-5 * nc + 0.5, 7.25, -0.25]
     p = from_jaxpm(disp, box_size=box)
     pos = np.asarray(p.pos)
     assert pos.min() >= 0 and pos.max() < box
-    assert periodic_error(pos, expected_positions(disp, box), box) <= 8 * np.finfo(np.float32).eps * box
+    assert (
+        periodic_error(pos, expected_positions(disp, box), box)
+        <= 8 * np.finfo(np.float32).eps * box
+    )
     np.testing.assert_array_equal(pos[-1, -1, -1, :2], [0, 0])
     np.testing.assert_array_equal(pos[0, 0, 0, 2], 0)
 
@@ -142,23 +151,38 @@ def test_mass_forms():
     assert from_jaxpm(disp, box_size=1.0).mass == 1.0
 
 
-@pytest.mark.parametrize("args, kwargs, match", [
-    ((np.zeros((4, 4, 3), np.float32),), dict(box_size=1.0), "shape"),
-    ((np.zeros((4, 4, 4, 2), np.float32),), dict(box_size=1.0), "shape"),
-    ((np.zeros((4, 4, 8, 3), np.float32),), dict(box_size=1.0), "shape"),
-    ((np.zeros((3, 4, 4, 4, 3), np.float32),), dict(box_size=1.0), "stacked"),
-    ((np.zeros((2, 4, 4, 8, 3), np.float32),), dict(box_size=1.0), "shape"),
-    ((np.zeros((4, 4, 4, 3), np.float32), np.zeros((4, 4, 4, 2), np.float32)), dict(box_size=1.0), "mom"),
-    ((np.zeros((4, 4, 4, 3), np.float32), np.zeros((8, 8, 8, 3), np.float32)), dict(box_size=1.0), "mom"),
-    ((np.zeros((2, 4, 4, 4, 3), np.float32), np.zeros((4, 4, 4, 3), np.float32)), dict(box_size=1.0), "mom"),
-    ((np.zeros((4, 4, 4, 3), np.float32),), dict(), "box_size"),
-    ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=0.0), "box_size"),
-    ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=-2.0), "box_size"),
-    ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=float("nan")), "box_size"),
-    ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=float("inf")), "box_size"),
-    ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=1.0, mass=np.ones((4, 4))), "mass"),
-    ((np.zeros((4, 4, 4, 3), np.int32),), dict(box_size=1.0), "floating"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((np.zeros((4, 4, 3), np.float32),), dict(box_size=1.0), "shape"),
+        ((np.zeros((4, 4, 4, 2), np.float32),), dict(box_size=1.0), "shape"),
+        ((np.zeros((4, 4, 8, 3), np.float32),), dict(box_size=1.0), "shape"),
+        ((np.zeros((3, 4, 4, 4, 3), np.float32),), dict(box_size=1.0), "stacked"),
+        ((np.zeros((2, 4, 4, 8, 3), np.float32),), dict(box_size=1.0), "shape"),
+        (
+            (np.zeros((4, 4, 4, 3), np.float32), np.zeros((4, 4, 4, 2), np.float32)),
+            dict(box_size=1.0),
+            "mom",
+        ),
+        (
+            (np.zeros((4, 4, 4, 3), np.float32), np.zeros((8, 8, 8, 3), np.float32)),
+            dict(box_size=1.0),
+            "mom",
+        ),
+        (
+            (np.zeros((2, 4, 4, 4, 3), np.float32), np.zeros((4, 4, 4, 3), np.float32)),
+            dict(box_size=1.0),
+            "mom",
+        ),
+        ((np.zeros((4, 4, 4, 3), np.float32),), dict(), "box_size"),
+        ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=0.0), "box_size"),
+        ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=-2.0), "box_size"),
+        ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=float("nan")), "box_size"),
+        ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=float("inf")), "box_size"),
+        ((np.zeros((4, 4, 4, 3), np.float32),), dict(box_size=1.0, mass=np.ones((4, 4))), "mass"),
+        ((np.zeros((4, 4, 4, 3), np.int32),), dict(box_size=1.0), "floating"),
+    ],
+)
 def test_bad_inputs(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         from_jaxpm(*args, **kwargs)
@@ -183,7 +207,10 @@ def test_in_situ_saveat():
     final = from_jaxpm(res.state, box_size=box)
     assert final.pos.sharding == NamedSharding(mesh, P("x", "y"))
     # same formula, separately compiled: equal up to float32 rounding
-    assert periodic_error(pos[1], np.asarray(final.pos, np.float64), box) <= 8 * np.finfo(np.float32).eps * box
+    assert (
+        periodic_error(pos[1], np.asarray(final.pos, np.float64), box)
+        <= 8 * np.finfo(np.float32).eps * box
+    )
     np.testing.assert_array_equal(np.asarray(ids[0]), np.asarray(final.id))
     layout = describe_layout(final, a=1.0)
     assert len(layout["devices"]) == 8 and all(b["block"] == [8, 4, 16] for b in layout["devices"])
@@ -191,7 +218,9 @@ def test_in_situ_saveat():
 
 
 def test_import_does_not_load_jaxpm():
-    code = ("import jaxpm_halos, sys; "
-            "assert 'jaxpm' not in sys.modules and 'jaxdecomp' not in sys.modules, "
-            "sorted(m for m in sys.modules if m.startswith(('jaxpm', 'jaxdecomp')))")
+    code = (
+        "import jaxpm_halos, sys; "
+        "assert 'jaxpm' not in sys.modules and 'jaxdecomp' not in sys.modules, "
+        "sorted(m for m in sys.modules if m.startswith(('jaxpm', 'jaxdecomp')))"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import MESH_SHAPES, make_mesh, mesh_params
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
-from conftest import MESH_SHAPES, mesh_params, make_mesh
 
 BOX = 16.0
 N = 4096
@@ -24,18 +25,26 @@ def _clustered(seed=0):
     a dense core, exact duplicates and coordinates equal to 0 and L, over a sparse uniform
     background with voids (k-th neighbour spheres wider than the narrow pencils)."""
     rng = np.random.default_rng(seed)
-    centres = [[0.0, 0.0, 0.0], [BOX / 2, BOX / 2, BOX / 2], [BOX / 4, BOX / 8, 0.0],
-               [BOX / 2, 3 * BOX / 4, BOX - 0.05], [3 * BOX / 4, BOX / 2, BOX / 3],
-               [BOX / 8, BOX / 4, 2 * BOX / 3], [BOX, BOX / 2, BOX / 5]]
-    clumps = [np.asarray(c) + rng.normal(0, s, (150, 3)) for c, s in
-              zip(centres, [0.3, 0.2, 0.4, 0.1, 0.3, 0.5, 0.2])]
+    centres = [
+        [0.0, 0.0, 0.0],
+        [BOX / 2, BOX / 2, BOX / 2],
+        [BOX / 4, BOX / 8, 0.0],
+        [BOX / 2, 3 * BOX / 4, BOX - 0.05],
+        [3 * BOX / 4, BOX / 2, BOX / 3],
+        [BOX / 8, BOX / 4, 2 * BOX / 3],
+        [BOX, BOX / 2, BOX / 5],
+    ]
+    clumps = [
+        np.asarray(c) + rng.normal(0, s, (150, 3))
+        for c, s in zip(centres, [0.3, 0.2, 0.4, 0.1, 0.3, 0.5, 0.2])
+    ]
     core = np.asarray([BOX / 4, 3 * BOX / 4, BOX / 4]) + rng.normal(0, 0.01, (200, 3))
     special = np.zeros((46, 3))
-    special[:6] = 0.0                                  # duplicates at the box corner
-    special[6:12] = BOX                                # ... and at L (wraps to 0)
-    special[12:20] = [BOX / 2, BOX / 4, 1.0]           # duplicates on a pencil edge
+    special[:6] = 0.0  # duplicates at the box corner
+    special[6:12] = BOX  # ... and at L (wraps to 0)
+    special[12:20] = [BOX / 2, BOX / 4, 1.0]  # duplicates on a pencil edge
     special[20:46] = rng.uniform(0, BOX, (26, 3))
-    special[30:38] = special[20]                       # duplicates in the background
+    special[30:38] = special[20]  # duplicates in the background
     n_bg = N - 150 * len(centres) - len(core) - len(special)
     background = rng.uniform(0, BOX, (n_bg, 3))
     return np.concatenate(clumps + [core, special, background]).astype(np.float32)
@@ -78,8 +87,7 @@ def _check_exact(pos, box, k, dist, idx, query=None):
     assert np.all(np.diff(dist, axis=1) >= 0)
     n = len(pos)
     assert idx.min() >= 0 and idx.max() < n
-    np.testing.assert_allclose(_true_distances(pos, box, idx, query), dist, rtol=4 * EPS,
-                               atol=tol)
+    np.testing.assert_allclose(_true_distances(pos, box, idx, query), dist, rtol=4 * EPS, atol=tol)
     srt = np.sort(idx, axis=1)
     assert not np.any(srt[:, 1:] == srt[:, :-1]), "a neighbour is listed twice"
     if query is None:
@@ -124,9 +132,14 @@ def test_every_mesh_matches_scipy_and_the_unsharded_result(clustered, unsharded,
     _assert_same((dist, idx), unsharded)
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.leg1),
-                               pytest.param(16, marks=pytest.mark.leg1),
-                               pytest.param(32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "k",
+    [
+        pytest.param(1, marks=pytest.mark.leg1),
+        pytest.param(16, marks=pytest.mark.leg1),
+        pytest.param(32, marks=pytest.mark.slow),
+    ],
+)
 def test_k(clustered, k):
     mesh = make_mesh((2, 4))
     dist, idx = jh.knn(_shard(mesh, clustered), BOX, k)
@@ -143,8 +156,11 @@ def test_gpu_settings_give_the_same_neighbours(clustered, unsharded, monkeypatch
     monkeypatch.setattr(knn_module, "_backend", lambda: "gpu")
     chunks = []
     chunk_for_backend = knn_module._chunk_for_backend
-    monkeypatch.setattr(knn_module, "_chunk_for_backend",
-                        lambda chunk, kk: chunks.append(chunk_for_backend(chunk, kk)) or chunks[-1])
+    monkeypatch.setattr(
+        knn_module,
+        "_chunk_for_backend",
+        lambda chunk, kk: chunks.append(chunk_for_backend(chunk, kk)) or chunks[-1],
+    )
     jh.clear_caches()  # programs compiled with the CPU settings must not be reused
     try:
         one = jh.knn(clustered, BOX, 8)
@@ -186,8 +202,11 @@ def test_the_host_tree_and_the_scan_give_the_same_neighbours(clustered, unsharde
     tree_mesh = jh.knn(_shard(mesh, clustered), BOX, 8)  # the default: the tree on the CPU
     ok = np.concatenate(seen)
     assert ok.size == N and 0.9 < ok.mean() < 1, ok.mean()
-    for result in (tree_mesh, jh.knn(clustered, BOX, 8, config=scan),
-                   jh.knn(_shard(mesh, clustered), BOX, 8, config=scan)):
+    for result in (
+        tree_mesh,
+        jh.knn(clustered, BOX, 8, config=scan),
+        jh.knn(_shard(mesh, clustered), BOX, 8, config=scan),
+    ):
         _check_exact(clustered, BOX, 8, *result)
         _assert_same(result, unsharded)
     rho_tree = jh.knn_density(_shard(mesh, clustered), BOX, 16)
@@ -203,8 +222,10 @@ def test_either_tree_library_gives_the_same_bits(clustered, unsharded, monkeypat
     bits as one device."""
     from jaxpm_halos.knn import _tree as tree
 
-    module, name = {"pykdtree": ("pykdtree.kdtree", "KDTree"),
-                    "scipy": ("scipy.spatial", "cKDTree")}[library]
+    module, name = {
+        "pykdtree": ("pykdtree.kdtree", "KDTree"),
+        "scipy": ("scipy.spatial", "cKDTree"),
+    }[library]
     lib = pytest.importorskip(module)
     monkeypatch.setattr(tree, "_BACKEND", library)
     built, build = [], getattr(lib, name)
@@ -244,7 +265,7 @@ def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monke
     for element, p in zip(got, pos):
         np.testing.assert_array_equal(element, np.asarray(jh.knn_density(p, BOX, k, mesh=mesh)))
         r_k = _reference(p, BOX, k)[:, -1]
-        np.testing.assert_allclose(element, (k - 1) / (4 / 3 * np.pi * r_k ** 3), rtol=1e-5)
+        np.testing.assert_allclose(element, (k - 1) / (4 / 3 * np.pi * r_k**3), rtol=1e-5)
 
 
 def test_search_must_be_named():
@@ -262,24 +283,26 @@ def test_frame_positions_from_image_codes_equal_the_decompositions_bitwise():
     from jaxpm_halos.knn._frame import in_frame, row_images
 
     box, width = 100.0, 3.0
-    edge = np.float32([0.0, -0.0, 1e-7, 2.9999, 50.0, 97.00001,
-                       np.nextafter(np.float32(box), 0)])
+    edge = np.float32([0.0, -0.0, 1e-7, 2.9999, 50.0, 97.00001, np.nextafter(np.float32(box), 0)])
     rng = np.random.default_rng(3)
     xy = np.concatenate([edge, rng.uniform(0, box, 57).astype(np.float32)])
     n = xy.size * 9
-    pos = np.stack([np.tile(xy, 9), np.roll(np.tile(xy, 9), 5),
-                    np.tile(edge, n // edge.size + 1)[:n]], axis=1).astype(np.float32)
+    pos = np.stack(
+        [np.tile(xy, 9), np.roll(np.tile(xy, 9), 5), np.tile(edge, n // edge.size + 1)[:n]], axis=1
+    ).astype(np.float32)
     image = np.stack(np.meshgrid([-1, 0, 1], [-1, 0, 1]), -1).reshape(9, 2).repeat(xy.size, 0)
-    ext = Extended(jnp.asarray(pos), jnp.asarray(image, jnp.int32), jnp.arange(n),
-                   jnp.ones(n, bool), n)
+    ext = Extended(
+        jnp.asarray(pos), jnp.asarray(image, jnp.int32), jnp.arange(n), jnp.ones(n, bool), n
+    )
     want, valid, _, _ = z_images(ext, width, box, n)
     source, side, _, _ = z_image_rows(ext, width, box, n)
     canon = jnp.concatenate([ext.pos, ext.pos[jnp.minimum(source, n - 1)]])
     got = in_frame(canon[:, 0], canon[:, 1], canon[:, 2], row_images(ext, source, side), box)
     keep = np.asarray(valid)
     assert keep[n:].sum() > 0 and np.unique(np.asarray(side)[keep[n:]]).size == 2
-    np.testing.assert_array_equal(np.asarray(got)[keep].view(np.uint32),
-                                  np.asarray(want)[keep].view(np.uint32))
+    np.testing.assert_array_equal(
+        np.asarray(got)[keep].view(np.uint32), np.asarray(want)[keep].view(np.uint32)
+    )
 
 
 def _lattice_with_duplicates():
@@ -334,8 +357,9 @@ def test_ties_across_the_kth_distance_pick_the_lowest_ids():
     mesh = make_mesh((2, 4))
     rho = jh.knn_density(_shard(mesh, pos), box, k, mass=_shard(mesh, mass), config=wide)
     with np.errstate(divide="ignore"):  # the duplicates' r_k is 0: rho = inf
-        want_rho = (mass[want_idx[:, :-1]].astype(np.float64).sum(1)
-                    / (4 / 3 * np.pi * want_dist[:, -1] ** 3))
+        want_rho = mass[want_idx[:, :-1]].astype(np.float64).sum(1) / (
+            4 / 3 * np.pi * want_dist[:, -1] ** 3
+        )
     np.testing.assert_allclose(np.asarray(rho), want_rho, rtol=2e-6)
     dist, idx = jh.knn(_shard(make_mesh((4, 2)), pos), box, k, query=query, config=wide)
     np.testing.assert_array_equal(np.asarray(idx), want_q[1])
@@ -347,10 +371,12 @@ def test_spheres_wider_than_the_ghost_layer_are_completed_across_devices(cluster
     # A ghost layer far thinner than the k-th neighbour distance: almost every particle
     # near a face needs the cross-device pass, whose buffer grows automatically.
     mesh = make_mesh((4, 2))
-    config = jh.KNNConfig(ghost_width=0.05, remote_factor=0.01,
-                          domain=jh.DomainConfig(ghost_factor=1.0, image_factor=1.0))
-    (dist, idx), status = jh.knn(_shard(mesh, clustered), BOX, 8, config=config,
-                                 with_status=True)
+    config = jh.KNNConfig(
+        ghost_width=0.05,
+        remote_factor=0.01,
+        domain=jh.DomainConfig(ghost_factor=1.0, image_factor=1.0),
+    )
+    (dist, idx), status = jh.knn(_shard(mesh, clustered), BOX, 8, config=config, with_status=True)
     assert int(np.max(np.asarray(status.needed["knn remote"]))) > 32
     _check_exact(clustered, BOX, 8, dist, idx)
 
@@ -386,7 +412,7 @@ def test_jaxpm_snapshot(jaxpm_snapshot_32):
     assert float(np.max(dist[..., -1])) > 2.5 * box / nc
     rho = jh.knn_density(particles, k=k)
     rk = np.asarray(dist[..., -1], np.float64)
-    np.testing.assert_allclose(np.asarray(rho), (k - 1) / (4 / 3 * np.pi * rk ** 3), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(rho), (k - 1) / (4 / 3 * np.pi * rk**3), rtol=1e-5)
 
 
 @pytest.mark.leg1
@@ -397,8 +423,8 @@ def test_density_with_masses_and_overdensity(clustered):
     delta = jh.knn_density(clustered, BOX, k, mass=mass, overdensity=True)
     rk = np.asarray(dist, np.float64)[:, -1]
     with np.errstate(divide="ignore"):  # duplicates: r_k = 0 and an infinite density
-        rho = mass[np.asarray(idx)][:, :k - 1].sum(1) / (4 / 3 * np.pi * rk ** 3)
-    mean = mass.astype(np.float64).sum() / BOX ** 3
+        rho = mass[np.asarray(idx)][:, : k - 1].sum(1) / (4 / 3 * np.pi * rk**3)
+    mean = mass.astype(np.float64).sum() / BOX**3
     np.testing.assert_allclose(np.asarray(delta), rho / mean - 1, rtol=1e-4, atol=1e-4)
 
 
@@ -410,15 +436,14 @@ def test_density_of_equal_masses_equals_per_particle_masses(clustered):
     m = 0.37  # not a power of two: a product would differ from the sum in the last bits
     rows = np.asarray(jh.knn_density(x, BOX, 16, mass=np.full(N, m, np.float32)))
     np.testing.assert_array_equal(np.asarray(jh.knn_density(x, BOX, 16, mass=m)), rows)
-    np.testing.assert_array_equal(np.asarray(jh.knn_density(x, BOX, 16, mass=jnp.float32(m))),
-                                  rows)
+    np.testing.assert_array_equal(np.asarray(jh.knn_density(x, BOX, 16, mass=jnp.float32(m))), rows)
 
 
 def test_query_points(clustered):
     k = 8
     rng = np.random.default_rng(2)
     query = rng.uniform(-BOX, 2 * BOX, (992, 3)).astype(np.float32)  # outside: wrapped
-    query[:5] = clustered[:5]                                         # on particles
+    query[:5] = clustered[:5]  # on particles
     query[5] = [BOX, BOX, BOX]
     mesh = make_mesh((2, 4))
     particles = _shard(mesh, clustered)
@@ -426,15 +451,17 @@ def test_query_points(clustered):
     assert dist.shape == (992, k) and dist.sharding.spec == P(("x", "y"))
     _check_exact(clustered, BOX, k, dist, idx, query=query)
     assert np.all(np.asarray(dist)[:5, 0] == 0)
-    _assert_same((dist, idx), jh.knn(particles, BOX, k, query=_shard(mesh, query),
-                                     config=jh.KNNConfig(search="scan")))
+    _assert_same(
+        (dist, idx),
+        jh.knn(particles, BOX, k, query=_shard(mesh, query), config=jh.KNNConfig(search="scan")),
+    )
     # Query points that are not sharded, in any leading shape and not a multiple of the
     # device count.
     rho = jh.knn_density(particles, BOX, k, query=query[:990].reshape(2, 495, 3))
     assert rho.shape == (2, 495)
     rk = np.asarray(dist, np.float64)[:990, -1]
     with np.errstate(divide="ignore"):  # query points on duplicates: r_k = 0
-        want = (k - 1) / (4 / 3 * np.pi * rk ** 3)
+        want = (k - 1) / (4 / 3 * np.pi * rk**3)
     np.testing.assert_allclose(np.asarray(rho).reshape(990), want, rtol=1e-5)
     # A grid of query points sharded P("x", "y") comes back sharded so (it came back in
     # the program's own layout), with the same values.
@@ -449,18 +476,20 @@ def test_overdensity_of_equal_masses_is_the_same_bits_on_a_mesh_as_on_one_device
     """The mean density of equal masses is N m with N counted exactly: a float sum of the
     masses would round differently on different meshes (and differ from InSitu's)."""
     m = np.float32(7.3)
-    got = [np.asarray(jh.knn_density(_shard(make_mesh(shape), clustered), BOX, 8, mass=m,
-                                     overdensity=True))
-           for shape in ((1, 1), (2, 4))]
+    got = [
+        np.asarray(
+            jh.knn_density(_shard(make_mesh(shape), clustered), BOX, 8, mass=m, overdensity=True)
+        )
+        for shape in ((1, 1), (2, 4))
+    ]
     for other in got[1:]:
         np.testing.assert_array_equal(other, got[0])
     # The value: cKDTree's density over N m / L^3 (float32 rounding of 1 + delta apart).
     r_k = _reference(clustered, BOX, 8)[:, -1]
     with np.errstate(divide="ignore"):  # duplicates: r_k = 0
-        rho = 7 * float(m) / (4 / 3 * np.pi * r_k ** 3)
+        rho = 7 * float(m) / (4 / 3 * np.pi * r_k**3)
     # rtol: float32 wrapping and distances against float64 (a wrong neighbour is ~1e-2)
-    np.testing.assert_allclose(got[0] + 1.0, rho / (N * float(m) / BOX ** 3), rtol=3e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(got[0] + 1.0, rho / (N * float(m) / BOX**3), rtol=3e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # FoF's runs in CI: the padding is the shared pipeline's
@@ -468,14 +497,14 @@ def test_overdensity_of_equal_masses_is_the_same_bits_on_a_mesh_as_on_one_device
 def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     """N = 4093 on 8 devices: padded inside; no padding row is a neighbour, and the mean
     density of ``overdensity`` counts the real particles only."""
-    pos, k = clustered[:N - 3], 8
+    pos, k = clustered[: N - 3], 8
     mesh = make_mesh(shape)
     dist, idx = jh.knn(pos, BOX, k, mesh=mesh)
     _check_exact(pos, BOX, k, dist, idx)
     delta = jh.knn_density(pos, BOX, k, mesh=mesh, overdensity=True)
     rk = np.asarray(dist, np.float64)[:, -1]
     with np.errstate(divide="ignore"):  # duplicates: r_k = 0
-        want = (k - 1) / (4 / 3 * np.pi * rk ** 3) / ((N - 3) / BOX ** 3) - 1
+        want = (k - 1) / (4 / 3 * np.pi * rk**3) / ((N - 3) / BOX**3) - 1
     # The padded count would be off by 7e-4 (1 + delta).
     np.testing.assert_allclose(np.asarray(delta), want, rtol=1e-5, atol=1e-6)
 
@@ -486,27 +515,47 @@ def test_reduce_hook_returns_only_per_particle_values(clustered):
     mesh = make_mesh((2, 4))
 
     def mean_distance(dist, idx, data):
-        return {"mean": jnp.mean(dist, axis=1), "far_id": idx[:, -1], "id": data["id"],
-                "x": data["pos"][:, 0]}
+        return {
+            "mean": jnp.mean(dist, axis=1),
+            "far_id": idx[:, -1],
+            "id": data["id"],
+            "x": data["pos"][:, 0],
+        }
 
     out = jh.knn(_shard(mesh, clustered), BOX, k, reduce=mean_distance)
     dist, idx = jh.knn(clustered, BOX, k)
     np.testing.assert_allclose(np.asarray(out["mean"]), np.asarray(dist).mean(1), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(out["id"]), np.arange(N))
-    np.testing.assert_array_equal(np.asarray(out["x"]), _wrap64(clustered, BOX)[:, 0]
-                                  .astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(out["x"]), _wrap64(clustered, BOX)[:, 0].astype(np.float32)
+    )
     far = np.asarray(out["far_id"])
-    np.testing.assert_allclose(_true_distances(clustered, BOX, far[:, None])[:, 0],
-                               np.asarray(dist)[:, -1], rtol=4 * EPS, atol=8 * EPS * BOX)
+    np.testing.assert_allclose(
+        _true_distances(clustered, BOX, far[:, None])[:, 0],
+        np.asarray(dist)[:, -1],
+        rtol=4 * EPS,
+        atol=8 * EPS * BOX,
+    )
     # A value that is not per row is refused by name, at trace time.
-    with pytest.raises(ValueError, match=r"knn's reduce fn must return per-row arrays.*"
-                                         r"output \['total'\] has shape \(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"knn's reduce fn must return per-row arrays.*"
+        r"output \['total'\] has shape \(\)",
+    ):
         jh.knn(_shard(mesh, clustered), BOX, k, reduce=lambda d, i, x: {"total": d.sum()})
     # Query points carry only their positions: a missing field is named, with what is there.
-    with pytest.raises(KeyError, match=r"asked data for 'mass'; data holds "
-                                       r"\['neighbour_mass', 'pos'\]"):
-        jh.knn(_shard(mesh, clustered), BOX, k, query=clustered[:16],
-               reduce=lambda d, i, x: {"m": x["mass"]})
+    with pytest.raises(
+        KeyError,
+        match=r"asked data for 'mass'; data holds "
+        r"\['neighbour_mass', 'pos'\]",
+    ):
+        jh.knn(
+            _shard(mesh, clustered),
+            BOX,
+            k,
+            query=clustered[:16],
+            reduce=lambda d, i, x: {"m": x["mass"]},
+        )
     # A KeyError of the fn's own (not a row field) comes back as it was raised.
     with pytest.raises(KeyError) as error:
         jh.knn(_shard(mesh, clustered), BOX, k, reduce=lambda d, i, x: {"m": {}["weights"]})
@@ -574,11 +623,11 @@ def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one(shape):
     r, nearest = _reference_neighbours(pos, box, k)
     volume = 4 / 3 * np.pi * r[:, -1] ** 3
     mass = mass.astype(np.float64)
-    mean = mass.sum() / box ** 3
-    nearest = nearest[:, :k - 1]  # the k - 1 masses of each density
+    mean = mass.sum() / box**3
+    nearest = nearest[:, : k - 1]  # the k - 1 masses of each density
     want = np.zeros(n)
     np.add.at(want, nearest.reshape(-1), np.repeat(weights / (volume * mean), k - 1))
-    want -= np.sum(weights * mass[nearest].sum(1) / volume) / (mean ** 2 * box ** 3)
+    want -= np.sum(weights * mass[nearest].sum(1) / volume) / (mean**2 * box**3)
     np.testing.assert_allclose(grad, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
     scalar = gradient(jnp.float32(1.3))
     scale = np.sum(np.abs(weights * np.asarray(delta(jnp.float32(1.3))))) / 1.3
@@ -623,9 +672,12 @@ def test_local_api_inside_user_shard_map(clustered):
         return domain.id, dist, idx, (status.ok & qstatus.ok)[None], qdist, qidx
 
     # shard_map's default check_vma=True: its loops used to be refused there.
-    ids, dist, idx, ok, qdist, qidx = map(np.asarray, jax.jit(jax.shard_map(
-        step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * 6))(
-            _shard(mesh, clustered), _shard(mesh, query)))
+    ids, dist, idx, ok, qdist, qidx = map(
+        np.asarray,
+        jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * 6))(
+            _shard(mesh, clustered), _shard(mesh, query)
+        ),
+    )
     assert ok.all()
     valid = ids >= 0
     assert valid.sum() == N
@@ -648,8 +700,9 @@ def test_local_api_axes_must_cover_the_shard_maps_split_or_name_it_independent()
         parts = jh.Particles.create(block[0], BOX)  # (rows, 3): one half of one box
         i = jax.lax.axis_index("row")
         parts = dataclasses.replace(parts, id=parts.id + i * block.shape[1])
-        domain, (dist, _), status = jh.knn_local(parts, k, axes=("row", None),
-                                                 independent_axes=("col",))
+        domain, (dist, _), status = jh.knn_local(
+            parts, k, axes=("row", None), independent_axes=("col",)
+        )
         return domain.id[None], dist[None], status.ok[None, None]
 
     spec = P("col", "row")
@@ -661,11 +714,20 @@ def test_local_api_axes_must_cover_the_shard_maps_split_or_name_it_independent()
         got = dist[box].reshape(-1, k)[valid][np.argsort(ids[box].reshape(-1)[valid])]
         want = cKDTree(boxes[box], boxsize=BOX).query(boxes[box], k + 1)[0][:, 1:]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match=r"mesh axes \['col'\] that axes=\('row', None\) does "
-                                         r"not name.*independent_axes=\('col',\)"):
-        jax.eval_shape(jax.shard_map(
-            lambda b: jh.knn_local(jh.Particles.create(b[0], BOX), k, axes=("row", None))[1],
-            mesh=mesh, in_specs=spec, out_specs=spec), jnp.asarray(boxes))
+    with pytest.raises(
+        ValueError,
+        match=r"mesh axes \['col'\] that axes=\('row', None\) does "
+        r"not name.*independent_axes=\('col',\)",
+    ):
+        jax.eval_shape(
+            jax.shard_map(
+                lambda b: jh.knn_local(jh.Particles.create(b[0], BOX), k, axes=("row", None))[1],
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=spec,
+            ),
+            jnp.asarray(boxes),
+        )
 
 
 @pytest.mark.leg1
@@ -690,13 +752,19 @@ def test_knn_on_decomposition_shares_the_domain(clustered):
         return dec.migrated.payload["id"], result["dist"], result["idx"], status.ok[None]
 
     spec = P(("x", "y"))
-    ids, dist, idx, ok = map(np.asarray, jax.jit(jax.shard_map(
-        step, mesh=mesh, in_specs=spec, out_specs=(spec,) * 4))(_shard(mesh, clustered)))
+    ids, dist, idx, ok = map(
+        np.asarray,
+        jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=(spec,) * 4))(
+            _shard(mesh, clustered)
+        ),
+    )
     assert ok.all()
     valid = ids >= 0
     assert valid.sum() == N
-    _assert_same((dist[valid], idx[valid]),
-                 (np.asarray(want_dist)[ids[valid]], np.asarray(want_idx)[ids[valid]]))
+    _assert_same(
+        (dist[valid], idx[valid]),
+        (np.asarray(want_dist)[ids[valid]], np.asarray(want_idx)[ids[valid]]),
+    )
 
 
 def test_knn_on_decomposition_refuses_a_width_wider_than_the_layer(clustered):
@@ -719,10 +787,14 @@ def test_knn_on_decomposition_refuses_a_width_wider_than_the_layer(clustered):
         return result["dist"]
 
     spec = P(("x", "y"))
-    with pytest.raises(ValueError, match=r"width=2.0 is not within the decomposition's "
-                                         r"ghost layer \(1.5\)"):
-        jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec,
-                              check_vma=False)).trace(_shard(mesh, clustered))
+    with pytest.raises(
+        ValueError,
+        match=r"width=2.0 is not within the decomposition's "
+        r"ghost layer \(1.5\)",
+    ):
+        jax.jit(
+            jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        ).trace(_shard(mesh, clustered))
 
 
 @pytest.mark.leg1
@@ -781,8 +853,7 @@ def test_overflow_inside_jit_leaves_no_row_plausible(clustered):
     (dist, idx), status = jax.jit(lambda p: jh.knn(p, BOX, 8, config=small, with_status=True))(x)
     assert not bool(status.ok) and status.failure().buffer == "knn index"
     assert np.isnan(np.asarray(dist)).all() and (np.asarray(idx) == -1).all()
-    rho, status = jax.jit(lambda p: jh.knn_density(p, BOX, 8, config=small,
-                                                   with_status=True))(x)
+    rho, status = jax.jit(lambda p: jh.knn_density(p, BOX, 8, config=small, with_status=True))(x)
     assert not bool(status.ok) and np.isnan(np.asarray(rho)).all()
     summed = lambda dist, idx, data: data["neighbour_mass"].sum(axis=1)  # noqa: E731
     masses = jax.jit(lambda p: jh.knn(p, BOX, 8, config=small, reduce=summed))(x)
@@ -792,19 +863,26 @@ def test_overflow_inside_jit_leaves_no_row_plausible(clustered):
 def _row_summary(dist, idx, data):
     """A reduce whose outputs are finite on any neighbours, complete or not."""
     near = dist < 2.0
-    return {"count": near.sum(axis=1), "any": near.any(axis=1),
-            "mean": jnp.nan_to_num(dist).mean(axis=1), "first": jnp.maximum(idx[:, 0], 0)}
+    return {
+        "count": near.sum(axis=1),
+        "any": near.any(axis=1),
+        "mean": jnp.nan_to_num(dist).mean(axis=1),
+        "first": jnp.maximum(idx[:, 0], 0),
+    }
 
 
-@pytest.mark.parametrize("config", [jh.KNNConfig(ghost_width=0.5),
-                                    jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=1.2))],
-                         ids=["knn-remote", "domain-capacity"])
+@pytest.mark.parametrize(
+    "config",
+    [jh.KNNConfig(ghost_width=0.5), jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=1.2))],
+    ids=["knn-remote", "domain-capacity"],
+)
 def test_reduce_rows_not_completed_inside_jit_are_blank(clustered, unsharded, config):
     # A reduce turns partial neighbours into finite values (a count, a flag, an index) that
     # look right; the rows not completed come back NaN / -1 / False, the others exact.
     x = _shard(make_mesh((2, 4)), clustered)
-    out, status = jax.jit(lambda p: jh.knn(p, BOX, 8, config=config, reduce=_row_summary,
-                                           with_status=True))(x)
+    out, status = jax.jit(
+        lambda p: jh.knn(p, BOX, 8, config=config, reduce=_row_summary, with_status=True)
+    )(x)
     assert not bool(status.ok)
     out = {key: np.asarray(value) for key, value in out.items()}
     blank = np.isnan(out["mean"])
@@ -815,19 +893,23 @@ def test_reduce_rows_not_completed_inside_jit_are_blank(clustered, unsharded, co
     for key in ("count", "any", "first"):
         np.testing.assert_array_equal(out[key][~blank], np.asarray(want[key])[~blank], key)
     # the same distances, summed in an order jit may change
-    np.testing.assert_allclose(out["mean"][~blank], np.asarray(want["mean"])[~blank],
-                               rtol=4 * EPS)
+    np.testing.assert_allclose(out["mean"][~blank], np.asarray(want["mean"])[~blank], rtol=4 * EPS)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(k=0), "at least 1"),
-    (dict(k=N), "k \\+ 1"),
-    (dict(k=2.5), "integer"),
-    (dict(k=8, query=np.zeros((4, 2), np.float32)), "trailing axis"),
-    # the query is named, not the particles (they are fine)
-    (dict(k=8, query=np.asarray([[1, 2, 3], [np.nan, 1, 1]], np.float32)),
-     "1 query points are NaN or inf"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(k=0), "at least 1"),
+        (dict(k=N), "k \\+ 1"),
+        (dict(k=2.5), "integer"),
+        (dict(k=8, query=np.zeros((4, 2), np.float32)), "trailing axis"),
+        # the query is named, not the particles (they are fine)
+        (
+            dict(k=8, query=np.asarray([[1, 2, 3], [np.nan, 1, 1]], np.float32)),
+            "1 query points are NaN or inf",
+        ),
+    ],
+)
 def test_bad_arguments_raise(clustered, kwargs, message):
     with pytest.raises(ValueError, match=message):
         jh.knn(clustered, BOX, **kwargs)

@@ -8,11 +8,12 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
-from conftest import make_mesh
 from jaxpm_halos.knn import _tree as _knn_tree
 
 BOX, N, K = 8.0, 1024, 8
@@ -96,7 +97,8 @@ def test_the_host_tree_is_used_on_the_installed_jax_and_is_exact(positions, monk
 
 @pytest.mark.newest
 def test_without_the_private_callback_interface_the_scan_gives_the_same_bits(
-        positions, tree_result, monkeypatch):
+    positions, tree_result, monkeypatch
+):
     """Where ``jax._src.callback`` or its names are missing, the host primitive is not
     defined, ``available()`` says so, and search="auto" takes the scan: no error, the tree
     never queried, cKDTree's lists and the tree's bits. search="tree" says why it cannot."""

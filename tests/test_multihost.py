@@ -16,12 +16,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpm_halos import units
 from jaxpm_halos.extension import InSitu
 from jaxpm_halos.io import gather_catalogue, load_catalogue
-
 
 CHILD = textwrap.dedent("""
     import os, sys
@@ -100,14 +100,32 @@ def test_two_processes_equal_one(tmp_path, jaxpm_snapshot_32):
     # optimisation level, which changes bits), on 4 devices each.
     count = "--xla_force_host_platform_device_count"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags + [f"{count}=4"]), JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(
+        os.environ,
+        XLA_FLAGS=" ".join(flags + [f"{count}=4"]),
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+    )
     port = _free_port()
-    children = [subprocess.Popen(
-        [sys.executable, str(script), str(pid), str(port), str(tmp_path), str(npz),
-         repr(snap.omega_m), ",".join(analyses)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for pid in range(2)]
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(pid),
+                str(port),
+                str(tmp_path),
+                str(npz),
+                repr(snap.omega_m),
+                ",".join(analyses),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in range(2)
+    ]
     logs = []
     try:
         for child in children:
@@ -122,8 +140,7 @@ def test_two_processes_equal_one(tmp_path, jaxpm_snapshot_32):
         assert f"process {pid}: ok" in log
 
     # The same state in one process over 8 devices: the InSitu catalogue must be equal.
-    y = jax.device_put(np.stack([snap.disp, snap.mom]),
-                       NamedSharding(snap.mesh, P(None, "x", "y")))
+    y = jax.device_put(np.stack([snap.disp, snap.mom]), NamedSharding(snap.mesh, P(None, "x", "y")))
     insitu = InSitu(box_size=float(snap.nc), analyses=analyses, omega_m=snap.omega_m)
     one = insitu(y, 1.0)
     expected = gather_catalogue(one["fof"]["catalogue"])
@@ -135,14 +152,17 @@ def test_two_processes_equal_one(tmp_path, jaxpm_snapshot_32):
             if field in ("vel", "vel_disp"):
                 # Seen once, in a full-suite run and not alone: one velocity component one
                 # float32 ulp apart. Every other field has always been bitwise equal.
-                np.testing.assert_allclose(got[field], value, rtol=2 * np.finfo(np.float32).eps,
-                                           err_msg=f"{name}: {field}")
+                np.testing.assert_allclose(
+                    got[field], value, rtol=2 * np.finfo(np.float32).eps, err_msg=f"{name}: {field}"
+                )
             else:
                 np.testing.assert_array_equal(got[field], value, err_msg=f"{name}: {field}")
-    np.testing.assert_allclose(got["mass"], got["count"] * units.particle_mass(
-        snap.omega_m, float(snap.nc), snap.nc), rtol=1e-5)
+    np.testing.assert_allclose(
+        got["mass"],
+        got["count"] * units.particle_mass(snap.omega_m, float(snap.nc), snap.nc),
+        rtol=1e-5,
+    )
     grids = np.load(tmp_path / "grids.npz")
     np.testing.assert_array_equal(grids["labels"], np.asarray(one["fof"]["labels"]))
     if "knn_density" in analyses:
-        np.testing.assert_array_equal(grids["density"],
-                                      np.asarray(one["knn_density"]["density"]))
+        np.testing.assert_array_equal(grids["density"], np.asarray(one["knn_density"]["density"]))

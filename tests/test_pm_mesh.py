@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh, requires_jaxpm
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpm_halos
 from jaxpm_halos import from_jaxpm, units
 from jaxpm_halos.extension import REGISTRY, InSitu, check, register
 from jaxpm_halos.io import gather_catalogue
-
 
 OMEGA_C, SIGMA8 = 0.25, 0.8  # run_simulation's default cosmology
 
@@ -67,9 +67,14 @@ def _field(nc, box, seed=3):
 
     k = jnp.logspace(-4, 1, 128)
     pk = jc.power.linear_matter_power(_cosmo(), k)
-    return np.asarray(linear_field((nc,) * 3, [box] * 3,
-                                   lambda x: interpolate_power_spectrum(x, k, pk),
-                                   seed=jax.random.PRNGKey(seed)))
+    return np.asarray(
+        linear_field(
+            (nc,) * 3,
+            [box] * 3,
+            lambda x: interpolate_power_spectrum(x, k, pk),
+            seed=jax.random.PRNGKey(seed),
+        )
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -84,7 +89,6 @@ def test_refined_ode_at_lattice_resolution_is_jaxpms():
     from jaxpm.pm import make_diffrax_ode
 
     from jaxpm_halos.pm import refined_pm_ode
-
     from jaxpm_halos.simulation import run_simulation
 
     nc, box = 16, 32.0
@@ -102,10 +106,12 @@ def test_refined_ode_at_lattice_resolution_is_jaxpms():
     assert np.abs(y[0]).max() > 1, "the run should have moved the particles"
 
     cosmo = _cosmo()
-    ref = jax.jit(lambda y: make_diffrax_ode((nc,) * 3, paint_absolute_pos=False)(
-        0.7, y, cosmo))(jnp.asarray(y))
+    ref = jax.jit(lambda y: make_diffrax_ode((nc,) * 3, paint_absolute_pos=False)(0.7, y, cosmo))(
+        jnp.asarray(y)
+    )
     got = jax.jit(lambda y: refined_pm_ode(nc, nc)(0.7, y, cosmo))(
-        jnp.asarray(np.stack([q + y[0], y[1]])))
+        jnp.asarray(np.stack([q + y[0], y[1]]))
+    )
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))  # p / (a^3 E)
     scale = float(np.abs(ref[1]).max())
     assert scale > 1
@@ -159,8 +165,9 @@ def test_refined_ode_on_a_mesh_equals_one_device():
 
 
 @requires_jaxpm
-@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param(None, marks=pytest.mark.slow)],
-                         ids=["mesh2x4", "single"])
+@pytest.mark.parametrize(
+    "mesh_shape", [(2, 4), pytest.param(None, marks=pytest.mark.slow)], ids=["mesh2x4", "single"]
+)
 def test_insitu_absolute_positions_and_velocities(rows_analysis, mesh_shape):
     """At a = 0.1 (the 2LPT state), InSitu on the pm_nc = 2 nc state gives positions
     wrap(x box / pm_nc), velocities 100 (box / pm_nc) p / a km/s and lattice ids (numpy,
@@ -173,15 +180,16 @@ def test_insitu_absolute_positions_and_velocities(rows_analysis, mesh_shape):
     field = _field(nc, box, seed=4)
     w = _quiet()
     try:
-        fine = run_simulation(nc, box, 1, (a,), mesh=mesh, initial_field=field, pm_nc=2 * nc,
-                              a_final=0.2)
-        lattice = run_simulation(nc, box, 1, (a,), mesh=mesh, initial_field=field,
-                                 a_final=0.2)
+        fine = run_simulation(
+            nc, box, 1, (a,), mesh=mesh, initial_field=field, pm_nc=2 * nc, a_final=0.2
+        )
+        lattice = run_simulation(nc, box, 1, (a,), mesh=mesh, initial_field=field, a_final=0.2)
     finally:
         w.__exit__(None, None, None)
     y_fine, y_lat = fine.saved[0], lattice.saved[0]
-    out = InSitu(box_size=box, analyses=(rows_analysis,), paint_absolute_pos=True,
-                 pm_nc=2 * nc)(y_fine, a)[rows_analysis]
+    out = InSitu(box_size=box, analyses=(rows_analysis,), paint_absolute_pos=True, pm_nc=2 * nc)(
+        y_fine, a
+    )[rows_analysis]
     ref = InSitu(box_size=box, analyses=(rows_analysis,))(y_lat, a)[rows_analysis]
 
     x, p = np.asarray(y_fine, np.float64)
@@ -192,16 +200,18 @@ def test_insitu_absolute_positions_and_velocities(rows_analysis, mesh_shape):
     delta = np.abs(got_pos - pos)
     assert np.minimum(delta, box - delta).max() < 1e-5 * box
     assert got_pos.min() >= 0 and got_pos.max() < box
-    np.testing.assert_allclose(np.asarray(out["vel"]), vel, rtol=1e-5,
-                               atol=1e-6 * np.abs(vel).max())
+    np.testing.assert_allclose(
+        np.asarray(out["vel"]), vel, rtol=1e-5, atol=1e-6 * np.abs(vel).max()
+    )
     assert np.abs(vel).max() > 10, "2LPT velocities at a = 0.1 are tens of km/s"
     ix, iy, iz = np.indices((nc,) * 3)
     np.testing.assert_array_equal(np.asarray(out["id"]), (ix * nc + iy) * nc + iz)
     # the lattice mode on the same initial conditions: same physical values
     delta = np.abs(got_pos - np.asarray(ref["pos"], np.float64))
     assert np.minimum(delta, box - delta).max() < 1e-5 * box
-    np.testing.assert_allclose(np.asarray(out["vel"]), np.asarray(ref["vel"]), rtol=1e-5,
-                               atol=1e-6 * np.abs(vel).max())
+    np.testing.assert_allclose(
+        np.asarray(out["vel"]), np.asarray(ref["vel"]), rtol=1e-5, atol=1e-6 * np.abs(vel).max()
+    )
     if mesh is not None:
         assert out["pos"].sharding.is_equivalent_to(NamedSharding(mesh, P("x", "y")), 4)
 
@@ -216,17 +226,31 @@ def fine_insitu_run():
 
     nc, box = 32, 32.0
     omega_m = OMEGA_C + float(jc.Planck15().Omega_b)
-    insitu = InSitu(box_size=box, analyses=("fof",), b=0.2, min_members=20, omega_m=omega_m,
-                    paint_absolute_pos=True, pm_nc=2 * nc, save_state=True)
+    insitu = InSitu(
+        box_size=box,
+        analyses=("fof",),
+        b=0.2,
+        min_members=20,
+        omega_m=omega_m,
+        paint_absolute_pos=True,
+        pm_nc=2 * nc,
+        save_state=True,
+    )
     w = _quiet()
     try:
-        res = run_simulation(nc, box, 5, (1.0,), mesh=make_mesh((2, 4)), pm_nc=2 * nc,
-                             saveat_fn=lambda a, y, cosmo: insitu(y, a))
+        res = run_simulation(
+            nc,
+            box,
+            5,
+            (1.0,),
+            mesh=make_mesh((2, 4)),
+            pm_nc=2 * nc,
+            saveat_fn=lambda a, y, cosmo: insitu(y, a),
+        )
     finally:
         w.__exit__(None, None, None)
     check(res.saved)
-    return dict(res=res, insitu=insitu, nc=nc, box=box,
-                mass=units.particle_mass(omega_m, box, nc))
+    return dict(res=res, insitu=insitu, nc=nc, box=box, mass=units.particle_mass(omega_m, box, nc))
 
 
 @requires_jaxpm
@@ -243,31 +267,43 @@ def test_insitu_fof_on_a_finer_pm_grid_equals_fof_afterwards(fine_insitu_run):
     res, nc, box = r["res"], r["nc"], r["box"]
     state = res.saved["state"][0]
     np.testing.assert_allclose(np.asarray(state), np.asarray(res.state), atol=1e-5)
-    particles = from_jaxpm(state, box_size=box, mass=r["mass"], paint_absolute_pos=True,
-                           pm_nc=2 * nc)
+    particles = from_jaxpm(
+        state, box_size=box, mass=r["mass"], paint_absolute_pos=True, pm_nc=2 * nc
+    )
     labels_ref, cat = jaxpm_halos.fof(particles, b=0.2, min_members=20)
     ref = cat.to_numpy()
     assert len(ref["id"]) > 10, "the test run should have halos"
     got = gather_catalogue(res.saved["fof"]["catalogue"], snapshot=0)
     for field in ("id", "count", "mass", "pos", "radius"):
         np.testing.assert_array_equal(got[field], ref[field], err_msg=field)
-    np.testing.assert_array_equal(np.asarray(res.saved["fof"]["labels"][0]),
-                                  np.asarray(labels_ref))
+    np.testing.assert_array_equal(np.asarray(res.saved["fof"]["labels"][0]), np.asarray(labels_ref))
     np.testing.assert_allclose(got["mass"], got["count"] * r["mass"], rtol=1e-5)
     # velocities: the mean momentum (PM cells) of the members, converted with pm_nc
-    np.testing.assert_allclose(got["vel"], units.momentum_to_velocity(ref["vel"], 1.0, box,
-                                                                      2 * nc),
-                               rtol=1e-5, atol=1e-5 * np.abs(got["vel"]).max())
+    np.testing.assert_allclose(
+        got["vel"],
+        units.momentum_to_velocity(ref["vel"], 1.0, box, 2 * nc),
+        rtol=1e-5,
+        atol=1e-5 * np.abs(got["vel"]).max(),
+    )
 
     # one device: InSitu on the gathered state against fof on it (float sums run in
     # another order than on 8 devices: ids and counts equal the mesh's, masses to 2e-6)
     state1 = jnp.asarray(np.asarray(state))
-    one = InSitu(box_size=box, analyses=("fof",), b=0.2, min_members=20,
-                 omega_m=r["insitu"].omega_m, paint_absolute_pos=True, pm_nc=2 * nc)(state1, 1.0)
+    one = InSitu(
+        box_size=box,
+        analyses=("fof",),
+        b=0.2,
+        min_members=20,
+        omega_m=r["insitu"].omega_m,
+        paint_absolute_pos=True,
+        pm_nc=2 * nc,
+    )(state1, 1.0)
     single = gather_catalogue(one["fof"]["catalogue"])
-    ref1 = jaxpm_halos.fof(from_jaxpm(state1, box_size=box, mass=r["mass"],
-                                      paint_absolute_pos=True, pm_nc=2 * nc),
-                           b=0.2, min_members=20)[1].to_numpy()
+    ref1 = jaxpm_halos.fof(
+        from_jaxpm(state1, box_size=box, mass=r["mass"], paint_absolute_pos=True, pm_nc=2 * nc),
+        b=0.2,
+        min_members=20,
+    )[1].to_numpy()
     for field in ("id", "count", "mass", "pos", "radius"):
         np.testing.assert_array_equal(single[field], ref1[field], err_msg=field)
     for field in ("id", "count"):
@@ -286,12 +322,21 @@ def _absolute_state(nc=8, factor=2, seed=0):
     return jnp.asarray(np.stack([x, rng.normal(0, 1, q.shape)]).astype(np.float32))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(), "declared as displacements"),
-    (dict(paint_absolute_pos=True), "looks like absolute positions in cells of a grid of about 16"),
-    (dict(paint_absolute_pos=True, pm_nc=32), "looks like absolute positions in cells of a grid of about 16"),
-    (dict(pm_nc=16), "pm_nc = 16 differs from the lattice's nc = 8"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(), "declared as displacements"),
+        (
+            dict(paint_absolute_pos=True),
+            "looks like absolute positions in cells of a grid of about 16",
+        ),
+        (
+            dict(paint_absolute_pos=True, pm_nc=32),
+            "looks like absolute positions in cells of a grid of about 16",
+        ),
+        (dict(pm_nc=16), "pm_nc = 16 differs from the lattice's nc = 8"),
+    ],
+)
 @pytest.mark.leg1
 def test_state_that_contradicts_the_mode(kwargs, match):
     y = _absolute_state()  # nc = 8, positions in cells of a 16^3 grid

@@ -5,15 +5,19 @@ import os
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpm_halos as jh
-from conftest import make_mesh
 from jaxpm_halos.core import frontend as _frontend
 
-pytestmark = [pytest.mark.newest,
-              pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
-                                 reason="memory maps are counted in /proc/self/maps")]
+pytestmark = [
+    pytest.mark.newest,
+    pytest.mark.skipif(
+        not os.path.exists("/proc/self/maps"), reason="memory maps are counted in /proc/self/maps"
+    ),
+]
 
 MAPS_PER_PROGRAM = 2_700  # the cache's estimate for a program it has not measured yet
 
@@ -58,7 +62,7 @@ def test_maps_stay_bounded_when_more_programs_are_compiled_than_the_budget_holds
 
 
 def test_a_cached_program_is_reused_and_refreshed():
-    cache = _frontend.ProgramCache(max_maps=10 ** 9)
+    cache = _frontend.ProgramCache(max_maps=10**9)
     built = []
 
     def build(n):

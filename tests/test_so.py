@@ -8,13 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import make_mesh, requires
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from scipy.spatial import cKDTree
 
 import jaxpm_halos as jh
-from conftest import make_mesh, requires
-from jaxpm_halos.testing.reference import so_reference
 from jaxpm_halos import units
+from jaxpm_halos.testing.reference import so_reference
 
 BOX = 16.0
 N = 4096
@@ -24,10 +25,18 @@ def _layout(seed=0):
     """Clumps of 20-600 particles on the box corner, on pencil faces and edges of every
     test mesh and at z = 0 and L, a dense core, duplicates, over a uniform background."""
     rng = np.random.default_rng(seed)
-    centres = np.array([[0.0, 0.0, 0.0], [BOX / 2, BOX / 2, BOX / 2], [BOX / 4, BOX / 8, 0.0],
-                        [BOX / 2, 3 * BOX / 4, BOX - 0.05], [3 * BOX / 4, BOX / 2, BOX / 3],
-                        [BOX / 8, BOX / 4, 2 * BOX / 3], [BOX, BOX / 2, BOX / 5],
-                        [BOX / 4, 3 * BOX / 4, BOX / 4]])
+    centres = np.array(
+        [
+            [0.0, 0.0, 0.0],
+            [BOX / 2, BOX / 2, BOX / 2],
+            [BOX / 4, BOX / 8, 0.0],
+            [BOX / 2, 3 * BOX / 4, BOX - 0.05],
+            [3 * BOX / 4, BOX / 2, BOX / 3],
+            [BOX / 8, BOX / 4, 2 * BOX / 3],
+            [BOX, BOX / 2, BOX / 5],
+            [BOX / 4, 3 * BOX / 4, BOX / 4],
+        ]
+    )
     sizes = [600, 300, 150, 80, 40, 20, 200, 300]
     widths = [0.2, 0.15, 0.2, 0.1, 0.15, 0.1, 0.12, 0.02]
     parts = [c + rng.normal(0, w, (s, 3)) for c, s, w in zip(centres, sizes, widths)]
@@ -35,13 +44,19 @@ def _layout(seed=0):
     n_bg = N - sum(sizes) - len(dup)
     pos = np.concatenate(parts + [dup, rng.uniform(0, BOX, (n_bg, 3))])
     pos = np.mod(pos, BOX).astype(np.float32)
-    queries = np.concatenate([centres, dup[:1], rng.uniform(0, BOX, (4, 3)),
-                              [[BOX / 2, BOX / 4, 1.0], [BOX - 1e-4, BOX - 1e-4, BOX - 1e-4]]])
+    queries = np.concatenate(
+        [
+            centres,
+            dup[:1],
+            rng.uniform(0, BOX, (4, 3)),
+            [[BOX / 2, BOX / 4, 1.0], [BOX - 1e-4, BOX - 1e-4, BOX - 1e-4]],
+        ]
+    )
     return pos, queries.astype(np.float32)
 
 
 POS, CENTRES = _layout()
-RHO_MEAN = N / BOX ** 3
+RHO_MEAN = N / BOX**3
 DENSITIES = np.array([200.0, 500.0, 1500.0]) * RHO_MEAN
 
 
@@ -97,8 +112,9 @@ def _counted(mass, particle_mass=M_P):
 @pytest.mark.newest
 def test_exact_on_every_mesh(mesh, reference):
     x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(mesh.axis_names)))
-    radius, mass, status = jh.spherical_overdensity(x, CENTRES, box_size=BOX, mass=M_P,
-                                                    density=DENSITIES * M_P, with_status=True)
+    radius, mass, status = jh.spherical_overdensity(
+        x, CENTRES, box_size=BOX, mass=M_P, density=DENSITIES * M_P, with_status=True
+    )
     assert bool(status.ok)
     _check(radius, np.asarray(mass) / M_P, reference, DENSITIES)
     assert _counted(mass)
@@ -119,8 +135,15 @@ def test_equal_masses_are_counted_in_the_catalogue_and_so_the_same_on_every_mesh
         sharding = NamedSharding(make_mesh(shape), P(("x", "y")))
         if np.ndim(mass):
             mass = jax.device_put(mass, sharding)
-        _, cat = jh.fof(jax.device_put(POS, sharding), BOX, 0.15, mass=mass, min_members=20,
-                        so={"500": 500 * float(M_P) * RHO_MEAN}, config=IMAGES)
+        _, cat = jh.fof(
+            jax.device_put(POS, sharding),
+            BOX,
+            0.15,
+            mass=mass,
+            min_members=20,
+            so={"500": 500 * float(M_P) * RHO_MEAN},
+            config=IMAGES,
+        )
         got.append(cat.to_numpy())
     one, mesh = got
     assert len(one["id"]) >= 6
@@ -151,9 +174,10 @@ def test_the_counted_mass_keeps_the_sums_derivative():
 def test_scalar_threshold_unsharded_any_n_and_masses():
     rng = np.random.default_rng(3)
     pos, masses = POS[:4001], rng.uniform(0.5, 2.0, 4001).astype(np.float32)
-    density = 300 * float(masses.sum()) / BOX ** 3
-    radius, mass = jh.spherical_overdensity(pos, CENTRES, box_size=BOX, density=density,
-                                            mass=masses, mesh=make_mesh((2, 4)))
+    density = 300 * float(masses.sum()) / BOX**3
+    radius, mass = jh.spherical_overdensity(
+        pos, CENTRES, box_size=BOX, density=density, mass=masses, mesh=make_mesh((2, 4))
+    )
     assert radius.shape == mass.shape == (len(CENTRES),)
     ref, edge = so_reference(pos, CENTRES, BOX, density, masses, KNIFE)
     _check(radius, mass, (ref[:, 0], edge[:, 0]), density, particle_mass=2.0, lightest=0.5)
@@ -163,8 +187,11 @@ def test_scalar_threshold_unsharded_any_n_and_masses():
 def test_inside_jit_equals_outside(reference):
     mesh = make_mesh((2, 4))
     x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(("x", "y"))))
-    f = jax.jit(lambda p, c: jh.spherical_overdensity(p, c, box_size=BOX, density=DENSITIES,
-                                                      with_status=True))
+    f = jax.jit(
+        lambda p, c: jh.spherical_overdensity(
+            p, c, box_size=BOX, density=DENSITIES, with_status=True
+        )
+    )
     radius, mass, status = f(x, jnp.asarray(CENTRES))
     assert bool(status.ok)
     _check(radius, mass, reference, DENSITIES)
@@ -182,26 +209,34 @@ def test_inside_jit_equals_outside(reference):
 def test_small_radius_grows_or_raises():
     mesh = make_mesh((2, 4))
     x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(("x", "y"))))
-    tight = jh.SOConfig(radius=0.5, levels=2, domain=jh.DomainConfig(ghost_factor=1.0, image_factor=1.0))
+    tight = jh.SOConfig(
+        radius=0.5, levels=2, domain=jh.DomainConfig(ghost_factor=1.0, image_factor=1.0)
+    )
     ref, edge = so_reference(POS, CENTRES[:2], BOX, DENSITIES[0], 1.0, KNIFE)
     with pytest.raises(jh.CapacityError, match="so radius") as info:
-        jh.spherical_overdensity(x, CENTRES[:2], box_size=BOX, density=DENSITIES[0],
-                                 config=tight, grow=False)
+        jh.spherical_overdensity(
+            x, CENTRES[:2], box_size=BOX, density=DENSITIES[0], config=tight, grow=False
+        )
     assert str(info.value.failure.limit.knob) == "SOConfig.radius"
     suggested = info.value.failure.grown(tight)
     assert suggested.radius == pytest.approx(1.0, abs=0.05)  # twice, in 1/1000 of the box
     # Not rows, and not claimed to fit: what is needed is known only once reached.
-    assert ("SOConfig.radius was not enough ('so radius'): what it needs is only known once "
-            f"reached. Rerun with config=SOConfig(radius={suggested.radius}, levels=2, domain="
-            "DomainConfig(ghost_factor=1.0, image_factor=1.0)) or more") in str(info.value)
+    assert (
+        "SOConfig.radius was not enough ('so radius'): what it needs is only known once "
+        f"reached. Rerun with config=SOConfig(radius={suggested.radius}, levels=2, domain="
+        "DomainConfig(ghost_factor=1.0, image_factor=1.0)) or more"
+    ) in str(info.value)
     with pytest.warns(jh.GrowthWarning, match="SOConfig"):
-        radius, mass = jh.spherical_overdensity(x, CENTRES[:2], box_size=BOX,
-                                                density=DENSITIES[0], config=tight)
+        radius, mass = jh.spherical_overdensity(
+            x, CENTRES[:2], box_size=BOX, density=DENSITIES[0], config=tight
+        )
     _check(radius, mass, (ref[:, 0], edge[:, 0]), DENSITIES[0])
     # Inside jit nothing grows: NaN and a failed status.
-    f = jax.jit(lambda p: jh.spherical_overdensity(p, CENTRES[:2], box_size=BOX,
-                                                   density=DENSITIES[0], config=tight,
-                                                   with_status=True))
+    f = jax.jit(
+        lambda p: jh.spherical_overdensity(
+            p, CENTRES[:2], box_size=BOX, density=DENSITIES[0], config=tight, with_status=True
+        )
+    )
     _, mass, status = f(x)
     assert not bool(status.ok) and np.isnan(np.asarray(mass)[0])
     assert status.failure().buffer == "so radius"
@@ -214,9 +249,12 @@ def test_a_threshold_at_the_mean_density_says_why_no_radius_fits():
     the user never set)."""
     rng = np.random.default_rng(11)
     pos = rng.uniform(0, 10.0, (2000, 3)).astype(np.float32)
-    with pytest.raises(jh.CapacityError, match=r"SOConfig.radius = .*can be at most 3\.32 "
-                       r"here: a third of the box") as info:
-        jh.spherical_overdensity(pos, pos[:2], box_size=10.0, density=2000 / 10.0 ** 3)
+    with pytest.raises(
+        jh.CapacityError,
+        match=r"SOConfig.radius = .*can be at most 3\.32 "
+        r"here: a third of the box",
+    ) as info:
+        jh.spherical_overdensity(pos, pos[:2], box_size=10.0, density=2000 / 10.0**3)
     assert "at or below the mean density" in str(info.value)
     # Without growth the same message, from the default radius (already the largest).
     with pytest.raises(jh.CapacityError, match="can be at most"):
@@ -231,27 +269,37 @@ def test_pair_buffer_batches_and_overflow():
     x = jax.device_put(jnp.asarray(POS), NamedSharding(mesh, P(("x", "y"))))
     ref, edge = so_reference(POS, CENTRES, BOX, DENSITIES[0], 1.0, KNIFE)
     small = jh.SOConfig(pair_factor=3.5)
-    radius, mass, status = jh.spherical_overdensity(x, CENTRES, box_size=BOX,
-                                                    density=DENSITIES[0], config=small,
-                                                    with_status=True, grow=False)
+    radius, mass, status = jh.spherical_overdensity(
+        x, CENTRES, box_size=BOX, density=DENSITIES[0], config=small, with_status=True, grow=False
+    )
     assert bool(status.ok)
     _check(radius, mass, (ref[:, 0], edge[:, 0]), DENSITIES[0])
     whole = jh.spherical_overdensity(x, CENTRES, box_size=BOX, density=DENSITIES[0])
     np.testing.assert_array_equal(np.asarray(radius), np.asarray(whole[0]))
     np.testing.assert_array_equal(np.asarray(mass), np.asarray(whole[1]))
     with pytest.raises(jh.CapacityError, match="so pairs"):
-        jh.spherical_overdensity(x, CENTRES, box_size=BOX, density=DENSITIES[0],
-                                 config=jh.SOConfig(pair_factor=0.0), grow=False)
+        jh.spherical_overdensity(
+            x,
+            CENTRES,
+            box_size=BOX,
+            density=DENSITIES[0],
+            config=jh.SOConfig(pair_factor=0.0),
+            grow=False,
+        )
 
 
 def test_no_centres_give_empty_results_inside_and_outside_jit():
     # A catalogue with no haloes (a small box, an early snapshot) was refused: "H >= 1".
     empty = np.zeros((0, 3), np.float32)
-    radius, mass, status = jh.spherical_overdensity(POS, empty, box_size=BOX,
-                                                    density=DENSITIES, with_status=True)
+    radius, mass, status = jh.spherical_overdensity(
+        POS, empty, box_size=BOX, density=DENSITIES, with_status=True
+    )
     assert radius.shape == mass.shape == (0, len(DENSITIES)) and bool(status.ok)
-    f = jax.jit(lambda c: jh.spherical_overdensity(POS, c, box_size=BOX, density=DENSITIES[0],
-                                                   mesh=make_mesh((2, 4)), with_status=True))
+    f = jax.jit(
+        lambda c: jh.spherical_overdensity(
+            POS, c, box_size=BOX, density=DENSITIES[0], mesh=make_mesh((2, 4)), with_status=True
+        )
+    )
     radius, mass, status = f(jnp.asarray(empty))
     assert radius.shape == mass.shape == (0,) and radius.dtype == jnp.float32
     assert bool(status.ok) and not bool(status.not_run)
@@ -263,11 +311,18 @@ def test_errors():
     with pytest.raises(ValueError, match="positive"):
         jh.spherical_overdensity(POS, CENTRES, box_size=BOX, density=-1.0)
     with pytest.raises(ValueError, match="third of the box"):
-        jh.spherical_overdensity(POS, CENTRES, box_size=BOX, density=1.0,
-                                 config=jh.SOConfig(radius=BOX / 2), mesh=None)
+        jh.spherical_overdensity(
+            POS, CENTRES, box_size=BOX, density=1.0, config=jh.SOConfig(radius=BOX / 2), mesh=None
+        )
     with pytest.raises(ValueError, match="pencil"):
-        jh.spherical_overdensity(POS, CENTRES, box_size=BOX, density=1.0,
-                                 config=jh.SOConfig(radius=3.0), mesh=make_mesh((1, 8)))
+        jh.spherical_overdensity(
+            POS,
+            CENTRES,
+            box_size=BOX,
+            density=1.0,
+            config=jh.SOConfig(radius=3.0),
+            mesh=make_mesh((1, 8)),
+        )
     centres = np.concatenate([CENTRES, np.full((2, 3), np.nan)])
     with pytest.raises(jh.InvalidInputError, match="2 SO centres are NaN") as error:
         jh.spherical_overdensity(POS, centres, box_size=BOX, density=1.0)
@@ -285,19 +340,19 @@ MPC_M = 3.0856775814913673e22
 
 def _rho_crit_physical(omega_m, a):
     """3 H(a)^2 / (8 pi G) in h^2 Msun / Mpc^3, from Newton's constant (h = 1)."""
-    h = 100e3 / MPC_M * math.sqrt(omega_m / a ** 3 + 1 - omega_m)
-    return 3 * h * h / (8 * math.pi * G_SI) * MPC_M ** 3 / MSUN_KG
+    h = 100e3 / MPC_M * math.sqrt(omega_m / a**3 + 1 - omega_m)
+    return 3 * h * h / (8 * math.pi * G_SI) * MPC_M**3 / MSUN_KG
 
 
 @pytest.mark.parametrize("omega_m,a", [(0.3, 1.0), (0.3089, 0.5), (0.25, 0.25)])
 def test_so_density_from_newton(omega_m, a):
-    crit = _rho_crit_physical(omega_m, a) * a ** 3  # comoving
+    crit = _rho_crit_physical(omega_m, a) * a**3  # comoving
     mean = omega_m * _rho_crit_physical(omega_m, 1.0)
     assert units.so_density("200c", omega_m=omega_m, a=a) == pytest.approx(200 * crit, rel=3e-4)
     assert units.so_density("500c", omega_m=omega_m, a=a) == pytest.approx(500 * crit, rel=3e-4)
     assert units.so_density("200m", omega_m=omega_m, a=a) == pytest.approx(200 * mean, rel=3e-4)
-    x = omega_m / a ** 3 / (omega_m / a ** 3 + 1 - omega_m) - 1
-    delta = 18 * math.pi ** 2 + 82 * x - 39 * x * x
+    x = omega_m / a**3 / (omega_m / a**3 + 1 - omega_m) - 1
+    delta = 18 * math.pi**2 + 82 * x - 39 * x * x
     assert units.so_density("vir", omega_m=omega_m, a=a) == pytest.approx(delta * crit, rel=3e-4)
 
 
@@ -309,10 +364,12 @@ def test_so_density_limits():
     assert vir / (0.3 * units.RHO_CRIT) == pytest.approx(337.1, abs=0.3)
     for a in (0.2, 1.0):
         assert units.so_density("vir", omega_m=1.0, a=a) == pytest.approx(
-            18 * math.pi ** 2 * units.RHO_CRIT)
+            18 * math.pi**2 * units.RHO_CRIT
+        )
     # Early on, 200c tends to 200m (Omega_m(a) -> 1).
     assert units.so_density("200c", omega_m=0.3, a=0.01) == pytest.approx(
-        units.so_density("200m", omega_m=0.3), rel=1e-5)
+        units.so_density("200m", omega_m=0.3), rel=1e-5
+    )
     traced = jax.jit(lambda a: units.so_density("vir", omega_m=0.3, a=a))(0.5)
     assert float(traced) == pytest.approx(units.so_density("vir", omega_m=0.3, a=0.5), rel=1e-6)
     for bad in ("200", "abc", "-5c", 200):
@@ -326,7 +383,8 @@ def test_so_density_limits():
         with pytest.raises(ValueError, match=r"omega_m must lie in \(0, 1\]"):
             units.so_density("200c", omega_m=omega_m)
     assert units.so_density("200m", omega_m=np.float32(0.3)) == pytest.approx(
-        units.so_density("200m", omega_m=0.3))
+        units.so_density("200m", omega_m=0.3)
+    )
 
 
 @requires("jax_cosmo")
@@ -338,10 +396,11 @@ def test_so_density_against_jax_cosmo():
         e2 = float(jc.background.Esqr(cosmo, a))
         omega_a = float(jc.background.Omega_m_a(cosmo, a))
         x = omega_a - 1
-        expected = (18 * math.pi ** 2 + 82 * x - 39 * x * x) * units.RHO_CRIT * e2 * a ** 3
+        expected = (18 * math.pi**2 + 82 * x - 39 * x * x) * units.RHO_CRIT * e2 * a**3
         assert units.so_density("vir", omega_m=0.3, a=a) == pytest.approx(expected, rel=1e-4)
         assert units.so_density("200c", omega_m=0.3, a=a) == pytest.approx(
-            200 * units.RHO_CRIT * e2 * a ** 3, rel=1e-4)
+            200 * units.RHO_CRIT * e2 * a**3, rel=1e-4
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -353,8 +412,14 @@ def _planted(seed=1):
     point is planted at a known spot, inside a looser halo of 150, on box and pencil
     corners; over a uniform background."""
     rng = np.random.default_rng(seed)
-    spots = np.array([[0.02, 0.02, BOX - 0.02], [BOX / 2, BOX / 4, BOX / 2],
-                      [BOX / 4, BOX / 2, 0.5], [3 * BOX / 4, 3 * BOX / 4, 3 * BOX / 4]])
+    spots = np.array(
+        [
+            [0.02, 0.02, BOX - 0.02],
+            [BOX / 2, BOX / 4, BOX / 2],
+            [BOX / 4, BOX / 2, 0.5],
+            [3 * BOX / 4, 3 * BOX / 4, 3 * BOX / 4],
+        ]
+    )
     parts = []
     for spot in spots:
         parts.append(spot + rng.normal(0, 0.35, (150, 3)))
@@ -373,14 +438,16 @@ def planted():
 
 
 @pytest.mark.leg1
-@pytest.mark.parametrize("shape", [(1, 8)] + [pytest.param(s, marks=pytest.mark.slow)
-                                   for s in ((4, 2), (1, 1))],
-                         ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 8)] + [pytest.param(s, marks=pytest.mark.slow) for s in ((4, 2), (1, 1))],
+    ids=lambda s: f"mesh{s[0]}x{s[1]}",
+)
 def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     mesh = make_mesh(shape)
     pos, spots, rho = planted
     x = jax.device_put(jnp.asarray(pos), NamedSharding(mesh, P(mesh.axis_names)))
-    density = {"200": 200 * len(pos) / BOX ** 3, "1000": 1000 * len(pos) / BOX ** 3}
+    density = {"200": 200 * len(pos) / BOX**3, "1000": 1000 * len(pos) / BOX**3}
     labels, cat = jh.fof(x, BOX, b=0.2, min_members=50, so=density, centre="peak", k=8)
     assert bool(cat.status.ok) and cat.centre == "peak"
     got = cat.to_numpy()
@@ -396,11 +463,9 @@ def test_density_peaks_of_planted_clumps_and_so(shape, planted):
         members = np.where(labels == hid)[0]
         best = members[np.lexsort((members, -rho[members]))[0]]
         np.testing.assert_array_equal(peak, pos[best])
-    ref, edge = so_reference(pos, got["peak"], BOX, np.array(list(density.values())), 1.0,
-                             KNIFE)
+    ref, edge = so_reference(pos, got["peak"], BOX, np.array(list(density.values())), 1.0, KNIFE)
     for d, name in enumerate(density):
-        _check(got["r" + name], got["m" + name], (ref[:, d], edge[:, d]),
-               list(density.values())[d])
+        _check(got["r" + name], got["m" + name], (ref[:, d], edge[:, d]), list(density.values())[d])
     # First downcrossings beyond the tight cores (12 particles), within the clumps.
     assert np.all(got["m200"] >= got["m1000"]) and np.all(got["m200"] > 12)
 
@@ -415,8 +480,16 @@ def test_peaks_after_a_knn_overflow_inside_jit_are_nan(planted):
     pos, spots, _ = planted
     x = jax.device_put(jnp.asarray(pos), NamedSharding(mesh, P(mesh.axis_names)))
     small = jh.FoFConfig(knn=jh.KNNConfig(index_factor=0.5))
-    run = lambda p: jh.fof(p, BOX, b=0.2, min_members=50, so={"200": 200 * RHO_MEAN},  # noqa: E731
-                           centre="peak", k=8, config=small)
+    run = lambda p: jh.fof(
+        p,
+        BOX,
+        b=0.2,
+        min_members=50,
+        so={"200": 200 * RHO_MEAN},  # noqa: E731
+        centre="peak",
+        k=8,
+        config=small,
+    )
     _, cat = jax.jit(run)(x)
     assert cat.status.failure().buffer == "peak knn index"
     rows = np.asarray(cat.id) >= 0
@@ -437,14 +510,22 @@ def test_a_peak_among_members_whose_density_is_partly_unknown_is_nan():
     box, k = 20.0, 16
     centres = rng.uniform(0, box, (8, 3))
     centres[:4] = [[10, 5, 10], [0, 0, 3], [10, 15, 7], [0.02, 10, 12]]
-    pos = np.concatenate([rng.uniform(0, box, (400, 3))] + [
-        c + 0.3 * rng.standard_normal((50, 3)) for c in centres]).astype(np.float32) % box
+    pos = (
+        np.concatenate(
+            [rng.uniform(0, box, (400, 3))]
+            + [c + 0.3 * rng.standard_normal((50, 3)) for c in centres]
+        ).astype(np.float32)
+        % box
+    )
     rho = np.asarray(jh.knn_density(pos, box, k, mesh=make_mesh((1, 1))))
     mesh = make_mesh((2, 4))
     x = jax.device_put(jnp.asarray(pos), NamedSharding(mesh, P(mesh.axis_names)))
     small = jh.FoFConfig(knn=jh.KNNConfig(ghost_width=0.05, index_factor=8.0))
-    labels, cat = jax.jit(lambda p: jh.fof(p, box, 0.4, centre="peak", k=k, config=small,
-                                           so={"200": 200 * len(pos) / box**3}))(x)
+    labels, cat = jax.jit(
+        lambda p: jh.fof(
+            p, box, 0.4, centre="peak", k=k, config=small, so={"200": 200 * len(pos) / box**3}
+        )
+    )(x)
     assert cat.status.failure().buffer == "peak knn remote"
     labels, rows = np.asarray(labels), np.asarray(cat.id) >= 0
     peaks, m200 = np.asarray(cat.peak)[rows], np.asarray(cat.so["m200"])[rows]
@@ -470,8 +551,9 @@ def test_coincident_particles_have_a_defined_density_and_leave_the_peak_finite()
     mass[[5, 10, 11, 12]] = 0  # a massless point of 4 particles; 20, 21, 30 massive
     rho = np.asarray(jh.knn_density(pos, box, k, mass=mass))
     assert (rho[[5, 10, 11, 12]] == 0).all() and np.isinf(rho[[20, 21, 30]]).all()
-    np.testing.assert_array_equal(jh.knn_density(pos, box, k, mass=mass, mesh=make_mesh((1, 1))),
-                                  rho)
+    np.testing.assert_array_equal(
+        jh.knn_density(pos, box, k, mass=mass, mesh=make_mesh((1, 1))), rho
+    )
     dist, idx = cKDTree(pos.astype(np.float64), boxsize=box).query(pos, k + 1)
     apart = dist[:, k] > 0  # the others against the formula, float64 brute force
     want = mass[idx[:, 1]] / (4 / 3 * np.pi * dist[:, k] ** 3)
@@ -495,14 +577,23 @@ def test_peak_gradient_is_the_densest_members_and_so_gradients_are_zero(planted)
     pos, _, rho = planted
     x = jax.device_put(jnp.asarray(pos), NamedSharding(mesh, P(mesh.axis_names)))
     m = jax.device_put(jnp.ones(len(pos), jnp.float32), NamedSharding(mesh, P(mesh.axis_names)))
-    labels, cat = jh.fof(x, BOX, b=0.2, min_members=50, mass=m, so={"200": 200 * RHO_MEAN},
-                         centre="peak", k=8)
+    labels, cat = jh.fof(
+        x, BOX, b=0.2, min_members=50, mass=m, so={"200": 200 * RHO_MEAN}, centre="peak", k=8
+    )
     weights = np.random.default_rng(5).normal(size=cat.peak.shape).astype(np.float32)
     weights[np.asarray(cat.id) < 0] = 0
 
     def objective(p, masses):
-        _, c = jh.fof(p, BOX, b=0.2, min_members=50, mass=masses, so={"200": 200 * RHO_MEAN},
-                      centre="peak", k=8)
+        _, c = jh.fof(
+            p,
+            BOX,
+            b=0.2,
+            min_members=50,
+            mass=masses,
+            so={"200": 200 * RHO_MEAN},
+            centre="peak",
+            k=8,
+        )
         return jnp.sum(c.peak * weights) + jnp.sum(jnp.where(c.id >= 0, c.so["m200"], 0))
 
     grad_pos, grad_mass = jax.jit(jax.grad(objective, argnums=(0, 1)))(x, m)
@@ -522,21 +613,24 @@ def test_fof_so_definitions_about_the_centre_of_mass():
     pos, _ = _planted(2)
     particle = 1e11
     box = BOX  # read as Mpc/h
-    labels, cat = jh.fof(pos, box, b=0.2, mass=particle, min_members=50,
-                         so=("200c", "vir"), omega_m=0.3, a=0.8)
+    labels, cat = jh.fof(
+        pos, box, b=0.2, mass=particle, min_members=50, so=("200c", "vir"), omega_m=0.3, a=0.8
+    )
     got = cat.to_numpy()
     assert cat.centre == "com" and "peak" not in got
     thresholds = [units.so_density(n, omega_m=0.3, a=0.8) for n in ("200c", "vir")]
     ref, edge = so_reference(pos, got["pos"], box, thresholds, particle, KNIFE)
     for d, name in enumerate(("200c", "vir")):
-        _check(got["r" + name], got["m" + name], (ref[:, d], edge[:, d]), thresholds[d],
-               particle)
+        _check(got["r" + name], got["m" + name], (ref[:, d], edge[:, d]), thresholds[d], particle)
     with pytest.raises(ValueError, match="omega_m"):
         jh.fof(pos, box, b=0.2, so=("200c",))
     # Unit masses (the default) with named definitions: every halo would get M = R = 0.
     for mass in (None, np.ones(len(pos), np.float32), jnp.ones(len(pos))):
-        with pytest.raises(ValueError, match=r"'200c' threshold .* times the data's mean "
-                                             r"density .* pass mass= in Msun/h"):
+        with pytest.raises(
+            ValueError,
+            match=r"'200c' threshold .* times the data's mean "
+            r"density .* pass mass= in Msun/h",
+        ):
             jh.fof(pos, box, b=0.2, mass=mass, so=("200c",), omega_m=0.3)
     with pytest.raises(ValueError, match="centre"):
         jh.fof(pos, box, b=0.2, centre="middle")
@@ -548,8 +642,16 @@ def test_a_group_of_massless_members_has_nan_centre_and_so_values():
     position and zeros. SO about that NaN centre is NaN too, not M = R = 0; the other
     group's values are the plain numpy ones."""
     rng = np.random.default_rng(6)
-    pos = np.concatenate([rng.normal(4.0, 0.1, (30, 3)), rng.normal(11.0, 0.1, (30, 3)),
-                          rng.uniform(0, BOX, (452, 3))]).astype(np.float32) % BOX
+    pos = (
+        np.concatenate(
+            [
+                rng.normal(4.0, 0.1, (30, 3)),
+                rng.normal(11.0, 0.1, (30, 3)),
+                rng.uniform(0, BOX, (452, 3)),
+            ]
+        ).astype(np.float32)
+        % BOX
+    )
     vel = rng.normal(0, 100, pos.shape).astype(np.float32)
     mass = np.ones(len(pos), np.float32)
     mass[:30] = 0

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import requires_jaxpm
 
 from jaxpm_halos import units
@@ -52,11 +51,14 @@ def test_momentum_to_velocity_values():
     assert units.momentum_to_velocity(2.0, 0.5, 128.0, 64) == pytest.approx(800.0)
     p = jnp.ones((2, 3))
     a = jnp.array([[0.5], [1.0]])
-    np.testing.assert_allclose(np.asarray(units.momentum_to_velocity(p, a, 10.0, 10)),
-                               [[200.0] * 3, [100.0] * 3], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(units.momentum_to_velocity(p, a, 10.0, 10)),
+        [[200.0] * 3, [100.0] * 3],
+        rtol=1e-6,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _initial_state(nc, box, a):
     """A single-device 1LPT state (disp, mom) from JaxPM at scale factor a."""
     import jax_cosmo as jc
@@ -67,8 +69,12 @@ def _initial_state(nc, box, a):
     def make():
         k = jnp.logspace(-4, 1, 128)
         pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), k)
-        field = linear_field((nc,) * 3, [box] * 3, lambda x: interpolate_power_spectrum(x, k, pk),
-                             seed=jax.random.PRNGKey(3))
+        field = linear_field(
+            (nc,) * 3,
+            [box] * 3,
+            lambda x: interpolate_power_spectrum(x, k, pk),
+            seed=jax.random.PRNGKey(3),
+        )
         dx, p, _ = lpt(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), field, a=a, order=1)
         return dx, p
 
@@ -80,8 +86,11 @@ def _hubble(a):
     """H(a) in km/s per Mpc/h, from jax_cosmo."""
     import jax_cosmo as jc
 
-    return 100.0 * float(jnp.sqrt(jc.background.Esqr(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8),
-                                                     jnp.atleast_1d(a)))[0])
+    return 100.0 * float(
+        jnp.sqrt(
+            jc.background.Esqr(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), jnp.atleast_1d(a))
+        )[0]
+    )
 
 
 # jax_cosmo's growth ODE asks for int64 indices, which jax truncates to int32
@@ -96,15 +105,16 @@ def test_velocity_linear_theory():
 
     nc, box, a = 32, 64.0, 0.1
     disp, mom = _initial_state(nc, box, a)
-    f = float(jc.background.growth_rate(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8),
-                                        jnp.atleast_1d(a))[0])
+    f = float(
+        jc.background.growth_rate(jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), jnp.atleast_1d(a))[0]
+    )
     expected = a * _hubble(a) * f * units.grid_to_mpc(disp.astype(np.float64), box, nc)
     v = units.momentum_to_velocity(mom, a, box, nc)
     assert np.abs(expected).max() > 10  # km/s: a real signal
     np.testing.assert_allclose(v, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trajectory_fn(nc):
     """Integrate JaxPM's own ODE (one device) and save y at a0, a0 + da, a0 + 2 da."""
     import diffrax
@@ -116,9 +126,15 @@ def _trajectory_fn(nc):
         ts = a0 + da * jnp.arange(3.0)
         sol = diffrax.diffeqsolve(
             diffrax.ODETerm(make_diffrax_ode((nc,) * 3, paint_absolute_pos=False)),
-            diffrax.Tsit5(), t0=ts[0], t1=ts[-1], dt0=None, y0=y0,
-            args=jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8), saveat=diffrax.SaveAt(ts=ts),
-            stepsize_controller=diffrax.StepTo(ts=a0 + da * jnp.linspace(0.0, 2.0, 9)))
+            diffrax.Tsit5(),
+            t0=ts[0],
+            t1=ts[-1],
+            dt0=None,
+            y0=y0,
+            args=jc.Planck15(Omega_c=OMEGA_C, sigma8=SIGMA8),
+            saveat=diffrax.SaveAt(ts=ts),
+            stepsize_controller=diffrax.StepTo(ts=a0 + da * jnp.linspace(0.0, 2.0, 9)),
+        )
         return sol.ys
 
     return run

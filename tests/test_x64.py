@@ -77,8 +77,9 @@ SO_INSITU = textwrap.dedent("""
 
 def _run_child(body):
     tests = Path(__file__).resolve().parent
-    result = subprocess.run([sys.executable, "-c", CHILD + body], cwd=tests,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD + body], cwd=tests, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0 and "X64 OK" in result.stdout, result.stderr[-4000:]
 
 

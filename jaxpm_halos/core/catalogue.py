@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cells import sort_rows
-from .domain import (common_mass, pmax_all, route, route_needs, selection,
-                      valued_with_derivative_of)
+from .domain import common_mass, pmax_all, route, route_needs, selection, valued_with_derivative_of
 from .geometry import periodic_delta, wrap
 from .layout import Pencils
 from .status import Status
@@ -32,17 +31,22 @@ from .status import Status
 int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max
 # A catalogue's own per-halo fields (SO quantities come after them, by their names).
-CATALOGUE_FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates",
-                    "peak")
+CATALOGUE_FIELDS = ("id", "count", "mass", "pos", "vel", "vel_disp", "radius", "percolates", "peak")
 
 
 INSITU_UNITS = {
     "id": "smallest particle id in the group: the Particles' own ids when given, else the "
-          "C-order input row (the lattice index (ix * nc + iy) * nc + iz on a JaxPM grid)",
+    "C-order input row (the lattice index (ix * nc + iy) * nc + iz on a JaxPM grid)",
     "count": "particles",
-    "mass": "Msun/h", "pos": "Mpc/h", "vel": "km/s", "vel_disp": "km/s", "radius": "Mpc/h",
+    "mass": "Msun/h",
+    "pos": "Mpc/h",
+    "vel": "km/s",
+    "vel_disp": "km/s",
+    "radius": "Mpc/h",
     "percolates": "flag: spans half the box or more along some axis",
-    "box_size": "Mpc/h", "linking_length": "Mpc/h", "peak": "Mpc/h",
+    "box_size": "Mpc/h",
+    "linking_length": "Mpc/h",
+    "peak": "Mpc/h",
 }
 """Units of a catalogue from :class:`jaxpm_halos.InSitu` with ``omega_m`` given (without
 ``omega_m``, ``mass`` counts particles)."""
@@ -118,8 +122,9 @@ class Catalogue:
     peak: jax.Array | None = None
     so: dict | None = None
     centre: str = dataclasses.field(default="com", metadata=dict(static=True))
-    units: tuple[tuple[str, str], ...] | None = dataclasses.field(default=None,
-                                                                  metadata=dict(static=True))
+    units: tuple[tuple[str, str], ...] | None = dataclasses.field(
+        default=None, metadata=dict(static=True)
+    )
 
     def fields(self) -> dict:
         """The per-halo arrays by name (SO quantities flattened: ``m200c``, ``r200c``, …),
@@ -133,9 +138,11 @@ class Catalogue:
         process; :func:`jaxpm_halos.gather_catalogue` also takes a catalogue stacked over
         snapshots, and several processes)."""
         if np.ndim(self.num) == 2:  # (snapshots, devices): the rows would be misread
-            raise ValueError("this catalogue is stacked over snapshots (as InSitu.saveat "
-                             "returns it): take one with jaxpm_halos.gather_catalogue(cat, "
-                             "snapshot=i)")
+            raise ValueError(
+                "this catalogue is stacked over snapshots (as InSitu.saveat "
+                "returns it): take one with jaxpm_halos.gather_catalogue(cat, "
+                "snapshot=i)"
+            )
         num = np.atleast_1d(np.asarray(self.num))
         rows = np.asarray(self.id).shape[0] // num.shape[0]
         keep = (np.arange(num.shape[0] * rows) % rows) < np.repeat(num, rows)
@@ -144,8 +151,22 @@ class Catalogue:
         return {k: v[order] for k, v in fields.items()}
 
 
-def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segments, labels,
-                   has_ghost, min_members: int, halo_rows: int, density=None):
+def catalogue_rows(
+    pencils: Pencils,
+    *,
+    pos,
+    vel,
+    mass,
+    ids,
+    owned,
+    group,
+    segments,
+    labels,
+    has_ghost,
+    min_members: int,
+    halo_rows: int,
+    density=None,
+):
     """Per-device catalogue of the groups whose home is this device.
 
     ``group`` (per row, in ``[0, segments)``) is one index per global label on the device and
@@ -170,12 +191,18 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     m = jnp.where(owned, mass, 0).astype(dtype)
     # The members' spread along each axis, to flag groups that reach half the box.
     spread = jax.lax.stop_gradient(rel)
-    sums = {"count": members, "mass": seg_sum(m), "s": seg_sum(m[:, None] * rel),
-            "q": seg_sum(m * jnp.sum(rel * rel, 1)),
-            "lo": jax.ops.segment_min(jnp.where(owned[:, None], spread, jnp.inf), group,
-                                      num_segments=segments),
-            "hi": jax.ops.segment_max(jnp.where(owned[:, None], spread, -jnp.inf), group,
-                                      num_segments=segments)}
+    sums = {
+        "count": members,
+        "mass": seg_sum(m),
+        "s": seg_sum(m[:, None] * rel),
+        "q": seg_sum(m * jnp.sum(rel * rel, 1)),
+        "lo": jax.ops.segment_min(
+            jnp.where(owned[:, None], spread, jnp.inf), group, num_segments=segments
+        ),
+        "hi": jax.ops.segment_max(
+            jnp.where(owned[:, None], spread, -jnp.inf), group, num_segments=segments
+        ),
+    }
     if vel is not None:
         # About the anchor's velocity, as positions are about its position: moments about
         # zero cancel catastrophically for a fast group with a small dispersion (|v| sqrt(eps)).
@@ -199,10 +226,18 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
     ndev = pencils.num_devices
     home = lambda label: ((label % ndev) // pencils.py, (label % ndev) % pencils.py)
     need_pair, need_routed = route_needs(pencils, *home(jnp.where(report, label, 0)), report)
-    routed, n_routed = route(pencils, payload, jnp.arange(halo_rows) < n_rows,
-                             lambda p: home(p["label"]), halo_rows, halo_rows, halo_rows)
-    fields, num, repeated = _combine(routed, n_routed, box, min_members, halo_rows,
-                                     common_mass(pencils, mass, owned))
+    routed, n_routed = route(
+        pencils,
+        payload,
+        jnp.arange(halo_rows) < n_rows,
+        lambda p: home(p["label"]),
+        halo_rows,
+        halo_rows,
+        halo_rows,
+    )
+    fields, num, repeated = _combine(
+        routed, n_routed, box, min_members, halo_rows, common_mass(pencils, mass, owned)
+    )
     # Once the routed rows fit, the halos (at most one per routed row) fit too.
     need = jnp.maximum(pmax_all(pencils, n_rows), jnp.maximum(need_pair, need_routed))
     # Groups dropped here (complete and too small) are counted here, the others at home.
@@ -211,8 +246,11 @@ def catalogue_rows(pencils: Pencils, *, pos, vel, mass, ids, owned, group, segme
 
 def _put(values, rows, group, segments: int):
     """``(segments, 3)``: each group's value from its row where ``rows`` is set (0 where none)."""
-    return jnp.zeros((segments,) + values.shape[1:], values.dtype).at[
-        jnp.where(rows, group, segments)].set(values, mode="drop")
+    return (
+        jnp.zeros((segments,) + values.shape[1:], values.dtype)
+        .at[jnp.where(rows, group, segments)]
+        .set(values, mode="drop")
+    )
 
 
 def _highest(value, ids, segment, segments: int):
@@ -228,15 +266,19 @@ def _peaks(owned, density, ids, pos, group, segments: int):
     """Each group's densest owned member: its density, id and position, and the number of
     owned members without a density (NaN: their kNN row was not completed) (partial rows)."""
     members = owned & ~jnp.isnan(density)
-    unknown = jax.ops.segment_sum((owned & ~members).astype(int32), group,
-                                  num_segments=segments)
+    unknown = jax.ops.segment_sum((owned & ~members).astype(int32), group, num_segments=segments)
     value = jnp.where(members, density, -jnp.inf)
     peak = members & _highest(value, ids, jnp.where(members, group, segments), segments)
     slot = jnp.where(peak, group, segments)
-    put = lambda a, fill: jnp.full((segments,) + a.shape[1:], fill, a.dtype).at[slot].set(
-        a, mode="drop")
-    return {"peak_density": put(value, -jnp.inf), "peak_id": put(ids, _BIG),
-            "peak_pos": put(pos, 0), "peak_unknown": unknown}
+    put = lambda a, fill: (
+        jnp.full((segments,) + a.shape[1:], fill, a.dtype).at[slot].set(a, mode="drop")
+    )
+    return {
+        "peak_density": put(value, -jnp.inf),
+        "peak_id": put(ids, _BIG),
+        "peak_pos": put(pos, 0),
+        "peak_unknown": unknown,
+    }
 
 
 def _combine(rows, n, box, min_members, halo_rows, common):
@@ -272,21 +314,25 @@ def _combine(rows, n, box, min_members, halo_rows, common):
 
     com, q = pooled(delta, rows["s"], rows["q"])
     # (H, 3) extent along each axis, with every piece placed at its anchor's offset.
-    extent = (jax.ops.segment_max(delta + rows["hi"], seg, num_segments=halo_rows)
-              - jax.ops.segment_min(delta + rows["lo"], seg, num_segments=halo_rows))
+    extent = jax.ops.segment_max(
+        delta + rows["hi"], seg, num_segments=halo_rows
+    ) - jax.ops.segment_min(delta + rows["lo"], seg, num_segments=halo_rows)
     # A group of massless members has no mass-weighted centre, velocity or radius (0 / 0).
-    undefined = lambda a: jnp.where((mass > 0).reshape((-1,) + (1,) * (a.ndim - 1)), a,
-                                    jnp.nan)
+    undefined = lambda a: jnp.where((mass > 0).reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.nan)
     # Equal masses: the reported mass is count * m, the same bits on every mesh (a float
     # sum rounds in an order that depends on the mesh), with the sum's derivative (each
     # member's mass counts once).
     equal, each = common
     exact = count.astype(mass.dtype) * each.astype(mass.dtype)
     reported = jnp.where(equal, valued_with_derivative_of(exact, mass), mass)
-    fields = {"id": jax.ops.segment_max(jnp.where(valid, label, -1), seg, num_segments=halo_rows),
-              "count": count, "mass": reported, "pos": undefined(wrap(ref + com, box)),
-              "radius": undefined(jnp.sqrt(jnp.maximum(q / safe, 0))),
-              "percolates": jnp.any(extent >= box / 2, axis=1)}
+    fields = {
+        "id": jax.ops.segment_max(jnp.where(valid, label, -1), seg, num_segments=halo_rows),
+        "count": count,
+        "mass": reported,
+        "pos": undefined(wrap(ref + com, box)),
+        "radius": undefined(jnp.sqrt(jnp.maximum(q / safe, 0))),
+        "percolates": jnp.any(extent >= box / 2, axis=1),
+    }
     if "v" in rows:
         ref_vel = reference(rows["anchor_vel"])
         relative, w = pooled(rows["anchor_vel"] - at_seg(ref_vel), rows["v"], rows["w"])
@@ -294,13 +340,20 @@ def _combine(rows, n, box, min_members, halo_rows, common):
         fields["vel_disp"] = undefined(jnp.sqrt(jnp.maximum(w / safe, 0) / 3))
     if "peak_pos" in rows:
         complete = at_seg(total(rows["peak_unknown"])) == 0
-        densest = valid & complete & (rows["peak_density"] > -jnp.inf) & _highest(
-            rows["peak_density"], rows["peak_id"], seg, halo_rows)
+        densest = (
+            valid
+            & complete
+            & (rows["peak_density"] > -jnp.inf)
+            & _highest(rows["peak_density"], rows["peak_id"], seg, halo_rows)
+        )
         # A group with a member whose density is unknown (its kNN row overflowed inside
         # jit) has no peak: the densest of the rest may not be the densest. NaN, not a
         # plausible member or the origin, so SO about it is NaN too (the status says why).
-        fields["peak"] = jnp.full((halo_rows, 3), jnp.nan, rows["peak_pos"].dtype).at[
-            jnp.where(densest, seg, halo_rows)].set(rows["peak_pos"], mode="drop")
+        fields["peak"] = (
+            jnp.full((halo_rows, 3), jnp.nan, rows["peak_pos"].dtype)
+            .at[jnp.where(densest, seg, halo_rows)]
+            .set(rows["peak_pos"], mode="drop")
+        )
     keep = count >= min_members
     picked, num = selection(keep, halo_rows)
     out = {k: jnp.take(v, picked, axis=0, mode="fill", fill_value=0) for k, v in fields.items()}

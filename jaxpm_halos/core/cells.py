@@ -46,8 +46,7 @@ def sort_rows(key):
     with _x64():
         rows = jnp.arange(key.shape[0], dtype=jnp.int64)
         packed = lax.sort(jnp.left_shift(key.astype(jnp.int64), 32) | rows)
-        return (jnp.right_shift(packed, 32).astype(int32),
-                (packed & 0xFFFFFFFF).astype(int32))
+        return (jnp.right_shift(packed, 32).astype(int32), (packed & 0xFFFFFFFF).astype(int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +62,7 @@ class CellGrid:
     side: tuple[float, float, float]
 
     @classmethod
-    def covering(cls, lengths, min_side: float) -> "CellGrid":
+    def covering(cls, lengths, min_side: float) -> CellGrid:
         min_side = float(min_side) * (1 + 1e-4)
         while True:
             shape = tuple(max(1, int(length // min_side)) for length in lengths)
@@ -101,8 +100,10 @@ def for_each_pair_chunk(starts, ends, chunk: int, body, carry, cap: int | None =
     rows = starts.shape[0]
     cap = PAIR_COUNT_CAP if cap is None else cap  # read when traced: tests lower it
     if rows > cap:
-        raise ValueError(f"{rows} rows exceed the {cap} pairs of one span; spread the "
-                         "particles over more devices")
+        raise ValueError(
+            f"{rows} rows exceed the {cap} pairs of one span; spread the "
+            "particles over more devices"
+        )
     lengths = jnp.maximum(ends - starts, 0)
     within = jnp.cumsum(lengths, axis=1, dtype=int32)  # (R, S) pairs of a row up to each range
     per_row = within[:, -1]  # (R,)
@@ -116,8 +117,9 @@ def for_each_pair_chunk(starts, ends, chunk: int, body, carry, cap: int | None =
         fits = cum <= cap
         total = jnp.max(jnp.where(fits, cum, 0))
         mine = jnp.where(fits & (row_ids >= r0), per_row, 0)
-        carry = _pairs_of_span(starts, within, mine, jnp.minimum(cum, total), total, chunk,
-                               body, carry)
+        carry = _pairs_of_span(
+            starts, within, mine, jnp.minimum(cum, total), total, chunk, body, carry
+        )
         return jnp.sum(fits, dtype=int32), carry  # cum is monotone: the span ends there
 
     return control.while_loop(lambda s: s[0] < rows, span, (jnp.int32(0), carry))[1]
@@ -139,14 +141,16 @@ def _pairs_of_span(starts, within, per_row, cum, total, chunk: int, body, carry)
         row0 = jnp.searchsorted(cum, t0, side="right").astype(int32)  # row holding pair t0
         offset = first - t0
         inside = (per_row > 0) & (offset > 0) & (offset < chunk)
-        marks = jnp.zeros(chunk, int32).at[jnp.where(inside, offset, chunk)].max(row_ids,
-                                                                                mode="drop")
+        marks = (
+            jnp.zeros(chunk, int32).at[jnp.where(inside, offset, chunk)].max(row_ids, mode="drop")
+        )
         i = jnp.minimum(jnp.maximum(lax.cummax(marks), row0), rows - 1)
         k = t - first[i]
         row_within = within[i]
         s = jnp.sum(k[:, None] >= row_within[:, :-1], axis=1)
-        before = jnp.where(s > 0, jnp.take_along_axis(row_within, jnp.maximum(s - 1, 0)[:, None],
-                                                      1)[:, 0], 0)
+        before = jnp.where(
+            s > 0, jnp.take_along_axis(row_within, jnp.maximum(s - 1, 0)[:, None], 1)[:, 0], 0
+        )
         j = jnp.take_along_axis(starts[i], s[:, None], 1)[:, 0] + (k - before)
         return t0 + chunk, body(carry, i, jnp.where(live, j, i), live)
 
@@ -278,8 +282,11 @@ def sort_columns(lengths, min_side: float, local_pos, origin, valid, by_z=None) 
     grid = CellGrid.covering((lengths[0], lengths[1], 0.0), min_side)
     nx, ny, _ = grid.shape
     side = jnp.asarray(grid.side[:2], local_pos.dtype)
-    c = jnp.clip(jnp.floor((local_pos[:, :2] - origin[:2]) / side).astype(int32), 0,
-                 jnp.asarray([nx - 1, ny - 1], int32))
+    c = jnp.clip(
+        jnp.floor((local_pos[:, :2] - origin[:2]) / side).astype(int32),
+        0,
+        jnp.asarray([nx - 1, ny - 1], int32),
+    )
     columns = nx * ny
     column = jnp.where(valid, c[:, 0] * ny + c[:, 1], columns)
     z = jnp.where(valid, local_pos[:, 2], jnp.inf)
@@ -359,8 +366,10 @@ def half_shell_windows(cols: Columns, reach):
         cx, cy = cols.cx + dx, cols.cy + dy
         inside = live & (cx < nx) & (cy >= 0) & (cy < ny)
         col = jnp.where(inside, cx * ny + cy, nx * ny)
-        return (jnp.where(inside, column_start(cols, col), 0),
-                jnp.where(inside, column_start(cols, col + 1), 0))
+        return (
+            jnp.where(inside, column_start(cols, col), 0),
+            jnp.where(inside, column_start(cols, col + 1), 0),
+        )
 
     _, own_hi = column_range(0, 0)
     own_lo = jnp.minimum(jnp.arange(rows, dtype=int32) + 1, own_hi)

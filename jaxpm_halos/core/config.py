@@ -34,16 +34,21 @@ def _check_numbers(config) -> None:
         if value is None or dataclasses.is_dataclass(value) or field.type == "str":
             continue
         number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-            value, bool)
+            value, bool
+        )
         if not (number and math.isfinite(value) and value >= 0):
-            raise ValueError(f"{type(config).__name__}({field.name}={value!r}): a setting must "
-                             "be a finite number >= 0, or None for the default")
+            raise ValueError(
+                f"{type(config).__name__}({field.name}={value!r}): a setting must "
+                "be a finite number >= 0, or None for the default"
+            )
         # Counts (rows, queries, steps) are shapes: 0 or 1.5 would fail deep in the trace.
         counts = field.type.startswith("int")
         if counts and not (isinstance(value, (int, np.integer)) and value >= 1):
             default = " (or None for the default)" if "None" in field.type else ""
-            raise ValueError(f"{type(config).__name__}({field.name}={value!r}): this setting "
-                             f"is a count, an integer >= 1{default}")
+            raise ValueError(
+                f"{type(config).__name__}({field.name}={value!r}): this setting "
+                f"is a count, an integer >= 1{default}"
+            )
 
 
 SEARCHES = ("auto", "tree", "scan")  # KNNConfig.search
@@ -161,8 +166,10 @@ class KNNConfig:
     def __post_init__(self):
         _check_numbers(self)
         if self.search not in SEARCHES:
-            raise ValueError(f"KNNConfig(search={self.search!r}): choose one of "
-                             + ", ".join(repr(v) for v in SEARCHES))
+            raise ValueError(
+                f"KNNConfig(search={self.search!r}): choose one of "
+                + ", ".join(repr(v) for v in SEARCHES)
+            )
 
     def index_rows(self, n0: int, default_factor: float, exchanged: int) -> int:
         """Rows of the search index: ``index_factor`` (else ``default_factor``) times
@@ -208,8 +215,9 @@ class SOConfig:
         _check_numbers(self)
 
     def pair_rows(self, n0: int) -> int:
-        return _default_rows(1.0 if self.pair_factor is None else self.pair_factor, n0,
-                             self.pair_factor)
+        return _default_rows(
+            1.0 if self.pair_factor is None else self.pair_factor, n0, self.pair_factor
+        )
 
 
 @dataclasses.dataclass(frozen=True)

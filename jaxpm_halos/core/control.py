@@ -19,6 +19,7 @@ from jax import lax
 
 # Older jax (0.7) spells the cast lax.pvary, newer (0.10) lax.pcast(..., to="varying").
 if hasattr(lax, "pcast"):
+
     def _to_varying(x, axes):
         return lax.pcast(x, axes, to="varying")
 else:
@@ -47,25 +48,32 @@ def _varying(tree, axes: tuple):
     def leaf(x):
         missing = tuple(a for a in axes if a not in _varying_over(x))
         return _to_varying(x, missing) if missing else x
+
     return jax.tree.map(leaf, tree) if axes else tree
 
 
 def while_loop(cond_fun, body_fun, init):
     """``lax.while_loop``, its carry varying over every checked axis."""
     axes = _checked_axes()
-    return lax.while_loop(cond_fun, lambda state: _varying(body_fun(state), axes),
-                          _varying(init, axes))
+    return lax.while_loop(
+        cond_fun, lambda state: _varying(body_fun(state), axes), _varying(init, axes)
+    )
 
 
 def fori_loop(lower, upper, body_fun, init):
     """``lax.fori_loop``, its carry varying over every checked axis."""
     axes = _checked_axes()
-    return lax.fori_loop(lower, upper, lambda i, state: _varying(body_fun(i, state), axes),
-                         _varying(init, axes))
+    return lax.fori_loop(
+        lower, upper, lambda i, state: _varying(body_fun(i, state), axes), _varying(init, axes)
+    )
 
 
 def cond(pred, true_fun, false_fun, *operands):
     """``lax.cond``, both branches' outputs varying over every checked axis."""
     axes = _checked_axes()
-    return lax.cond(pred, lambda *args: _varying(true_fun(*args), axes),
-                    lambda *args: _varying(false_fun(*args), axes), *operands)
+    return lax.cond(
+        pred,
+        lambda *args: _varying(true_fun(*args), axes),
+        lambda *args: _varying(false_fun(*args), axes),
+        *operands,
+    )

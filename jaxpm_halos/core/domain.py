@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,15 +79,18 @@ def _by_dtype(tree):
     leaves, treedef = jax.tree.flatten(tree)
     names = [jnp.dtype(a.dtype).name for a in leaves]
     widths = [math.prod(a.shape[1:]) for a in leaves]
-    packed = {name: jnp.concatenate([a.reshape(a.shape[0], w)
-                                     for a, n, w in zip(leaves, names, widths) if n == name], 1)
-              for name in dict.fromkeys(names)}
+    packed = {
+        name: jnp.concatenate(
+            [a.reshape(a.shape[0], w) for a, n, w in zip(leaves, names, widths) if n == name], 1
+        )
+        for name in dict.fromkeys(names)
+    }
 
     def unpack(arrays):
         start = dict.fromkeys(arrays, 0)
         out = []
         for a, name, w in zip(leaves, names, widths):
-            block = arrays[name][:, start[name]:start[name] + w]
+            block = arrays[name][:, start[name] : start[name] + w]
             start[name] += w
             out.append(block.reshape(block.shape[:1] + a.shape[1:]))
         return jax.tree.unflatten(treedef, out)
@@ -118,8 +122,9 @@ def common_mass(pencils: Pencils, mass, valid):
     the same on every mesh; a float sum rounds in an order that depends on the mesh.
     Outside autodiff: it chooses a value, not a derivative."""
     m = lax.stop_gradient(mass)
-    extremes = jnp.stack([jnp.max(jnp.where(valid, m, -jnp.inf)),
-                          jnp.max(jnp.where(valid, -m, -jnp.inf))])
+    extremes = jnp.stack(
+        [jnp.max(jnp.where(valid, m, -jnp.inf)), jnp.max(jnp.where(valid, -m, -jnp.inf))]
+    )
     heaviest, negated_lightest = pmax_all(pencils, extremes)  # one collective
     return heaviest == -negated_lightest, heaviest
 
@@ -182,16 +187,25 @@ def _exchange(axis, blocks, dest, valid, payload, pair_rows, out_rows):
     return out, jnp.minimum(count, out_rows)
 
 
-def route(pencils: Pencils, payload, valid, dest_fn: Callable, pair_rows: int, mid_rows: int,
-          out_rows: int, order: str = "xy"):
+def route(
+    pencils: Pencils,
+    payload,
+    valid,
+    dest_fn: Callable,
+    pair_rows: int,
+    mid_rows: int,
+    out_rows: int,
+    order: str = "xy",
+):
     """Send rows to the pencils ``dest_fn(payload) -> (i, j)`` in two all-to-all stages
     (along x then y, or the reverse). Returns the routed rows (``out_rows`` of them, valid
     first) and their count. Size the buffers with :func:`route_needs`."""
     packed, unpack = _by_dtype(payload)
     for stage, rows in zip(order, (mid_rows, out_rows)):
         di, dj = dest_fn(unpack(packed))
-        axis, blocks, dest = ((pencils.x_axis, pencils.px, di) if stage == "x"
-                              else (pencils.y_axis, pencils.py, dj))
+        axis, blocks, dest = (
+            (pencils.x_axis, pencils.px, di) if stage == "x" else (pencils.y_axis, pencils.py, dj)
+        )
         packed, count = _exchange(axis, blocks, dest, valid, packed, pair_rows, rows)
         valid = jnp.arange(rows) < count
     return unpack(packed), count
@@ -249,14 +263,22 @@ def migrate(pencils: Pencils, fields: dict, valid, transfer_rows: int, capacity_
     payload["pos"] = jnp.where(valid[:, None], fields["pos"], 0)
     payload["origin"] = pencils.device_index() * n + jnp.arange(n, dtype=int32)
     need_pair, need_rows = route_needs(pencils, *pencils.block_of(payload["pos"]), valid)
-    routed, count = route(pencils, payload, valid, lambda p: pencils.block_of(p["pos"]),
-                          transfer_rows, capacity_rows, capacity_rows)
+    routed, count = route(
+        pencils,
+        payload,
+        valid,
+        lambda p: pencils.block_of(p["pos"]),
+        transfer_rows,
+        capacity_rows,
+        capacity_rows,
+    )
     routed["id"] = jnp.where(jnp.arange(capacity_rows) < count, routed["id"], -1)
     return Migrated(routed, count, need_pair, need_rows, nonfinite)
 
 
-def return_trip(pencils: Pencils, values, origin, count, input_rows: int, transfer_rows: int,
-                capacity_rows: int):
+def return_trip(
+    pencils: Pencils, values, origin, count, input_rows: int, transfer_rows: int, capacity_rows: int
+):
     """Route per-particle ``values`` (rows matching ``origin``) back to the input layout.
 
     Returns arrays of ``input_rows`` rows in the input block's own order.
@@ -267,8 +289,16 @@ def return_trip(pencils: Pencils, values, origin, count, input_rows: int, transf
         device = p["origin"] // input_rows
         return device // pencils.py, device % pencils.py
 
-    routed, n_back = route(pencils, {"v": values, "origin": origin}, valid, home,
-                           transfer_rows, capacity_rows, input_rows, order="yx")
+    routed, n_back = route(
+        pencils,
+        {"v": values, "origin": origin},
+        valid,
+        home,
+        transfer_rows,
+        capacity_rows,
+        input_rows,
+        order="yx",
+    )
     back = jnp.arange(input_rows) < n_back
     slot = jnp.where(back, routed["origin"] % input_rows, input_rows)  # distinct where back
     return take(routed["v"], sources(slot, input_rows))
@@ -315,8 +345,9 @@ class Ghosts(NamedTuple):
         """Extend per-owned-row ``values`` to every extended row (ghosts get their owner's)."""
         for (axis, blocks), (low, high) in zip(_stage_axes(pencils), self.sends):
             from_high, from_low = _swap_rows(axis, blocks, values, low, high)
-            values = jax.tree.map(lambda a, b, c: jnp.concatenate([a, b, c]), values, from_low,
-                                  from_high)
+            values = jax.tree.map(
+                lambda a, b, c: jnp.concatenate([a, b, c]), values, from_low, from_high
+            )
         return values
 
     def reverse_min(self, pencils: Pencils, values):
@@ -325,10 +356,15 @@ class Ghosts(NamedTuple):
         for (axis, blocks), (low, high) in reversed(list(zip(_stage_axes(pencils), self.sends))):
             rows = low.shape[0]
             base = values.shape[0] - 2 * rows
-            on_low, on_high = values[base:base + rows], values[base + rows:]
+            on_low, on_high = values[base : base + rows], values[base + rows :]
             from_high, from_low = _swap(axis, blocks, on_low, on_high)
-            values = values[:base].at[low].min(from_low, mode="drop").at[high].min(from_high,
-                                                                                 mode="drop")
+            values = (
+                values[:base]
+                .at[low]
+                .min(from_low, mode="drop")
+                .at[high]
+                .min(from_high, mode="drop")
+            )
         return values
 
 
@@ -369,9 +405,11 @@ def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: in
     """
     wx, wy = pencils.widths
     if not 0 <= width <= min(wx, wy):
-        raise ValueError(f"ghost width {width} must lie in [0, {min(wx, wy)}] (the narrower pencil "
-                         f"side of a ({pencils.px}, {pencils.py}) decomposition of a box of "
-                         f"{pencils.box_size})")
+        raise ValueError(
+            f"ghost width {width} must lie in [0, {min(wx, wy)}] (the narrower pencil "
+            f"side of a ({pencils.px}, {pencils.py}) decomposition of a box of "
+            f"{pencils.box_size})"
+        )
     lo, hi = pencils.bounds()
     coords = pencils.coords()
     width = jnp.float32(width)
@@ -404,18 +442,26 @@ def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: in
         at_low_end = coords[dim] == 0
         from_high["image"] = from_high["image"].at[:, dim].add(jnp.where(at_high_end, 1, 0))
         from_low["image"] = from_low["image"].at[:, dim].add(jnp.where(at_low_end, -1, 0))
-        values = jax.tree.map(lambda a, b, c: jnp.concatenate([a, b, c]), values, from_low,
-                              from_high)
+        values = jax.tree.map(
+            lambda a, b, c: jnp.concatenate([a, b, c]), values, from_low, from_high
+        )
         sends.append((low, high))
     need = jnp.maximum(need, jnp.max(y_need))
-    ext = Extended(values["pos"], values["image"], jnp.where(values["valid"], values["id"], -1),
-                   values["valid"], owned)
+    ext = Extended(
+        values["pos"],
+        values["image"],
+        jnp.where(values["valid"], values["id"], -1),
+        values["valid"],
+        owned,
+    )
     return ext, Ghosts(tuple(sends)), need
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["migrated", "ext", "ghosts", "need_ghosts", "fits"],
-                   meta_fields=["width"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["migrated", "ext", "ghosts", "need_ghosts", "fits"],
+    meta_fields=["width"],
+)
 @dataclasses.dataclass(frozen=True)
 class Decomposition:
     """One device's share of a snapshot: its migrated particles, plus ghosts of width
@@ -438,16 +484,25 @@ class Decomposition:
     fits: jax.Array = dataclasses.field(default_factory=lambda: jnp.bool_(True))
 
 
-def decompose(pencils: Pencils, fields: dict, valid, width: float, transfer_rows: int,
-              capacity_rows: int, ghost_rows: int) -> Decomposition:
+def decompose(
+    pencils: Pencils,
+    fields: dict,
+    valid,
+    width: float,
+    transfer_rows: int,
+    capacity_rows: int,
+    ghost_rows: int,
+) -> Decomposition:
     """:func:`migrate`, then :func:`with_ghosts` of the given width."""
     migrated = migrate(pencils, fields, valid, transfer_rows, capacity_rows)
     return with_ghosts(pencils, migrated, width, ghost_rows)
 
 
-def with_ghosts(pencils: Pencils, migrated: Migrated, width: float,
-                ghost_rows: int) -> Decomposition:
+def with_ghosts(
+    pencils: Pencils, migrated: Migrated, width: float, ghost_rows: int
+) -> Decomposition:
     """The decomposition of already migrated particles with ghosts of the given width."""
-    ext, ghosts, need = build_ghosts(pencils, migrated.payload["pos"], migrated.payload["id"],
-                                     migrated.valid, width, ghost_rows)
+    ext, ghosts, need = build_ghosts(
+        pencils, migrated.payload["pos"], migrated.payload["id"], migrated.valid, width, ghost_rows
+    )
     return Decomposition(migrated, ext, ghosts, need, float(width))

@@ -20,8 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from .geometry import wrap
 from .layout import Layout, layout_of
-from .particles import (Particles, _check_box_size, check_real, check_row_count,
-                         real_floats)
+from .particles import Particles, _check_box_size, check_real, check_row_count, real_floats
 from .status import invalid_input, is_traced
 
 int32 = jnp.int32
@@ -59,14 +58,15 @@ class _Program:
     """A cached jitted program; its first call outside a trace (the one that compiles it)
     records how many memory maps the compilation added."""
 
-    def __init__(self, jitted, cache: "ProgramCache"):
+    def __init__(self, jitted, cache: ProgramCache):
         self.jitted = jitted
         self.cache = cache
         self.maps = None
 
     def __call__(self, *args):
-        if self.maps is not None or any(isinstance(leaf, jax.core.Tracer)
-                                        for leaf in jax.tree_util.tree_leaves(args)):
+        if self.maps is not None or any(
+            isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(args)
+        ):
             return self.jitted(*args)
         before = maps_in_use()
         out = self.jitted(*args)
@@ -101,7 +101,7 @@ class ProgramCache:
         program = self.entries.pop(key, None)
         if program is None:
             own = [k for k in self.entries if k[0] is fn]
-            for old in own[:max(len(own) - maxsize + 1, 0)]:
+            for old in own[: max(len(own) - maxsize + 1, 0)]:
                 self.drop(old)
             program = _Program(fn(*args, **kwargs), self)
         self.entries[key] = program  # most recently used last
@@ -189,14 +189,17 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
     ids = None
     if isinstance(pos, Particles):
         particles = _dense(pos)
-        if box_size is not None and not math.isclose(_check_box_size(box_size),
-                                                     float(particles.box_size), rel_tol=1e-6):
+        if box_size is not None and not math.isclose(
+            _check_box_size(box_size), float(particles.box_size), rel_tol=1e-6
+        ):
             # The positions were wrapped into the Particles' box: searching another box
             # would give plausible wrong groups and densities. (The same box in float32
             # and float64 is the same box.)
-            raise ValueError(f"box_size={box_size} disagrees with the Particles' box_size="
-                             f"{particles.box_size}; leave box_size out (it is taken from "
-                             "the Particles) or build the Particles with the box you mean")
+            raise ValueError(
+                f"box_size={box_size} disagrees with the Particles' box_size="
+                f"{particles.box_size}; leave box_size out (it is taken from "
+                "the Particles) or build the Particles with the box you mean"
+            )
         box_size = particles.box_size
         vel = particles.vel if vel is None else vel
         mass = particles.mass if mass is None else mass
@@ -224,8 +227,9 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
     mass_kind, static_mass = "static", 1.0
     if mass is not None:
         check_real(mass, "mass")
-        if isinstance(mass, (int, float, np.number)) or (not isinstance(mass, jax.core.Tracer)
-                                                          and np.ndim(mass) == 0):
+        if isinstance(mass, (int, float, np.number)) or (
+            not isinstance(mass, jax.core.Tracer) and np.ndim(mass) == 0
+        ):
             static_mass = float(mass)
         elif np.ndim(mass) == 0:
             mass_kind = "scalar"
@@ -234,8 +238,9 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
         else:
             mass = real_floats(mass, "mass")
             if tuple(mass.shape) != tuple(pos.shape[:-1]):
-                raise ValueError(f"mass must be a scalar or of shape {pos.shape[:-1]}, "
-                                 f"got {mass.shape}")
+                raise ValueError(
+                    f"mass must be a scalar or of shape {pos.shape[:-1]}, got {mass.shape}"
+                )
             mass_kind = "rows"
             args.append(mass)
             specs.append(spec)
@@ -243,8 +248,10 @@ def prepare(pos, box_size=None, vel=None, mass=None, mesh=None):
         # Rows of zeros, masked out on the devices (:func:`local_valid`); a scalar mass
         # (spec P()) has no rows.
         rows = layout.shape[0] - layout.num_particles
-        args = [a if s == P() else jnp.concatenate([a, jnp.zeros((rows,) + a.shape[1:], a.dtype)])
-                for a, s in zip(args, specs)]
+        args = [
+            a if s == P() else jnp.concatenate([a, jnp.zeros((rows,) + a.shape[1:], a.dtype)])
+            for a, s in zip(args, specs)
+        ]
     problem = Problem(layout, box_size, vel is not None, ids is not None, mass_kind, static_mass)
     return problem, tuple(args), tuple(specs)
 
@@ -258,14 +265,19 @@ def _dense(particles: Particles) -> Particles:
     num = particles.num
     if is_traced((num,)):
         padding = ~particles.valid().reshape(particles.shape)
-        return dataclasses.replace(particles, pos=jnp.where(
-            padding[..., None], jnp.asarray(jnp.nan, particles.pos.dtype), particles.pos))
+        return dataclasses.replace(
+            particles,
+            pos=jnp.where(
+                padding[..., None], jnp.asarray(jnp.nan, particles.pos.dtype), particles.pos
+            ),
+        )
     if int(num) != particles.size:
         raise ValueError(
             f"these Particles hold {int(num)} particles in {particles.size} rows (the rows "
             f"from {int(num)} on are padding), but the public calls take every row as a "
             "particle. Pass the valid rows, e.g. Particles.create(p.pos[:p.num], "
-            "p.box_size, id=p.id[:p.num], mass=...), or a position array")
+            "p.box_size, id=p.id[:p.num], mass=...), or a position array"
+        )
     return particles
 
 
@@ -284,8 +296,11 @@ def _screen_masses(mass, pos):
     m = xp.asarray(mass)
     count = int(xp.sum(~(xp.isfinite(m) & (m >= 0))))
     if count:
-        raise invalid_input(f"jaxpm_halos: {count} particle masses are NaN, inf or "
-                            "negative; masses must be finite and >= 0.", count)
+        raise invalid_input(
+            f"jaxpm_halos: {count} particle masses are NaN, inf or "
+            "negative; masses must be finite and >= 0.",
+            count,
+        )
     return pos
 
 
@@ -301,8 +316,11 @@ def local_fields(problem: Problem, *blocks):
     fields = {"pos": wrap(pos.reshape(-1, 3), problem.box_size)}
     if problem.has_vel:
         fields["vel"] = blocks.pop(0).reshape(-1, 3)
-    fields["id"] = (blocks.pop(0).reshape(-1).astype(int32) if problem.has_ids
-                    else _default_ids(problem, block_shape))
+    fields["id"] = (
+        blocks.pop(0).reshape(-1).astype(int32)
+        if problem.has_ids
+        else _default_ids(problem, block_shape)
+    )
     n = fields["pos"].shape[0]
     if problem.mass_kind == "rows":
         fields["mass"] = blocks.pop(0).reshape(-1).astype(pos.dtype)
@@ -314,8 +332,11 @@ def local_fields(problem: Problem, *blocks):
 def particle_fields(particles: Particles) -> dict:
     """Row fields (``pos`` wrapped, ``id``, ``mass``, and ``vel`` when present) of one
     device's :class:`~jaxpm_halos.Particles`, for the local APIs."""
-    fields = {"pos": wrap(particles.pos.reshape(-1, 3), particles.box_size),
-              "id": particles.id.reshape(-1), "mass": particles.masses()}
+    fields = {
+        "pos": wrap(particles.pos.reshape(-1, 3), particles.box_size),
+        "id": particles.id.reshape(-1),
+        "mass": particles.masses(),
+    }
     if particles.vel is not None:
         fields["vel"] = particles.vel.reshape(-1, 3)
     return fields
@@ -324,8 +345,9 @@ def particle_fields(particles: Particles) -> dict:
 def particles_of(migrated, box_size: float) -> Particles:
     """The :class:`~jaxpm_halos.Particles` a device owns after migration (valid first)."""
     payload = migrated.payload
-    return Particles(payload["pos"], payload["id"], migrated.count, payload.get("vel"),
-                     payload["mass"], box_size)
+    return Particles(
+        payload["pos"], payload["id"], migrated.count, payload.get("vel"), payload["mass"], box_size
+    )
 
 
 def local_valid(problem: Problem, rows: int):

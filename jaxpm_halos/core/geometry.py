@@ -124,7 +124,7 @@ def periodic_distance2(a, b, box_size):
 # ----------------------------------------------------------------------------------------
 # Exact comparison with a squared length (FoF's friends test near the linking length)
 
-_ROUNDING = 2.0 ** -24  # float32's unit roundoff
+_ROUNDING = 2.0**-24  # float32's unit roundoff
 _BAND = 32 * _ROUNDING  # relative: periodic_distance2 is within 7 roundings of exact
 _DISTIL_PASSES = 12  # a cap: two settled each of 20,000 pairs within 3e-7 of l
 
@@ -156,8 +156,9 @@ def _exact_delta(a, b, box_size):
     half = 0.5 * box_size
     d = a - b
     up, down = d > half, d < -half  # -((L - a) + b), a + (L - b)
-    s, e = _two_sum(jnp.where(up, box_size - a, a),
-                    jnp.where(up, b, jnp.where(down, box_size - b, -b)))
+    s, e = _two_sum(
+        jnp.where(up, box_size - a, a), jnp.where(up, b, jnp.where(down, box_size - b, -b))
+    )
     return jnp.where(up, -s, s), jnp.where(up, -e, e)
 
 
@@ -166,8 +167,21 @@ def _square_terms(s, e):
     half of :func:`_halves` (doubling is exact)."""
     sh, sl = _halves(s)
     eh, el = _halves(e)
-    return jnp.stack([sh * sh, (sh + sh) * sl, sl * sl, (sh + sh) * eh, (sh + sh) * el,
-                      (sl + sl) * eh, (sl + sl) * el, eh * eh, (eh + eh) * el, el * el], -1)
+    return jnp.stack(
+        [
+            sh * sh,
+            (sh + sh) * sl,
+            sl * sl,
+            (sh + sh) * eh,
+            (sh + sh) * el,
+            (sl + sl) * eh,
+            (sl + sl) * el,
+            eh * eh,
+            (eh + eh) * el,
+            el * el,
+        ],
+        -1,
+    )
 
 
 def _sum_is_at_most_zero(terms):
@@ -191,7 +205,9 @@ def _sum_is_at_most_zero(terms):
 
     t, _ = control.while_loop(
         lambda state: jnp.any(~settled(state[0])) & (state[1] < _DISTIL_PASSES),
-        distil, (t, jnp.int32(0)))
+        distil,
+        (t, jnp.int32(0)),
+    )
     return t[-1] <= 0
 
 

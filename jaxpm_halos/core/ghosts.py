@@ -41,8 +41,12 @@ def z_images(ext: Extended, width: float, box_size: float, rows: int):
     source, side, image_valid, need = z_image_rows(ext, width, box_size, rows)
     shift = box_size * side.astype(pos.dtype)
     image_pos = jnp.take(pos, source, axis=0, mode="fill", fill_value=0).at[:, 2].add(shift)
-    return (jnp.concatenate([pos, image_pos]), jnp.concatenate([ext.valid, image_valid]),
-            source, need)
+    return (
+        jnp.concatenate([pos, image_pos]),
+        jnp.concatenate([ext.valid, image_valid]),
+        source,
+        need,
+    )
 
 
 _GHOST_MARGIN = (1e-5, 8 * float(np.finfo(np.float32).eps))  # relative to l, to the box

@@ -10,11 +10,12 @@ sharding; an axis of size one is recorded as ``None`` and needs no communication
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .status import is_traced
 
@@ -33,7 +34,8 @@ def _check_cutting_axes(axes, independent) -> None:
             f"the shard_map splits the particles over mesh axes {unnamed} that axes={tuple(axes)} "
             "does not name, so each device would see only part of its pencil. Name the axes "
             "that cut the box along x and y in axes=, or, when each index along an axis "
-            f"holds a separate simulation, pass independent_axes={tuple(unnamed)}")
+            f"holds a separate simulation, pass independent_axes={tuple(unnamed)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Pencils:
     box_size: float
 
     @classmethod
-    def from_axes(cls, axes, box_size: float, independent=()) -> "Pencils":
+    def from_axes(cls, axes, box_size: float, independent=()) -> Pencils:
         """The pencils of the caller's mesh axes ``(x_axis, y_axis)`` (None where the box
         is not cut), inside the caller's ``shard_map``; ``independent``: its other manual
         axes, along which each index holds a separate problem (see
@@ -142,8 +144,9 @@ class Layout:
         """Run ``fn`` per device (``shard_map``), or directly when there is one device."""
         if self.mesh is None:
             return fn(*args)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)(*args)
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )(*args)
 
 
 def layout_of(pos, box_size: float, mesh=None) -> Layout:
@@ -154,7 +157,11 @@ def layout_of(pos, box_size: float, mesh=None) -> Layout:
     flat arrays over axis 0.
     """
     shape = tuple(pos.shape)
-    if len(shape) not in (2, 4) or shape[-1] != 3 or (len(shape) == 4 and not shape[0] == shape[1] == shape[2]):
+    if (
+        len(shape) not in (2, 4)
+        or shape[-1] != 3
+        or (len(shape) == 4 and not shape[0] == shape[1] == shape[2])
+    ):
         raise ValueError(f"positions must have shape (N, 3) or (nc, nc, nc, 3), got {shape}")
     leading = shape[:-1]
     grid = len(leading) == 3
@@ -171,15 +178,19 @@ def layout_of(pos, box_size: float, mesh=None) -> Layout:
         return Layout(None, Pencils(None, None, 1, 1, box_size), leading, P())
     names = tuple(mesh.axis_names)
     if len(names) > 2:
-        raise ValueError(f"jaxpm_halos decomposes the box over at most two mesh axes; the mesh "
-                         f"has {len(names)}: {dict(mesh.shape)}")
+        raise ValueError(
+            f"jaxpm_halos decomposes the box over at most two mesh axes; the mesh "
+            f"has {len(names)}: {dict(mesh.shape)}"
+        )
     x_axis, y_axis = _axes_from_spec(spec, names, grid)
     sizes = dict(mesh.shape)
     px = sizes[x_axis] if x_axis else 1
     py = sizes[y_axis] if y_axis else 1
     if px * py != mesh.size:
-        raise ValueError(f"the particles must be sharded over every mesh axis; spec {spec} "
-                         f"leaves part of mesh {sizes} replicated")
+        raise ValueError(
+            f"the particles must be sharded over every mesh axis; spec {spec} "
+            f"leaves part of mesh {sizes} replicated"
+        )
     pencils = Pencils(x_axis if px > 1 else None, y_axis if py > 1 else None, px, py, box_size)
     if grid:
         nc = leading[0]
@@ -200,8 +211,10 @@ def _axes_from_spec(spec, names, grid):
     entries = tuple(spec) + (None,) * 4
     if grid:
         if any(e is not None for e in entries[2:]):
-            raise ValueError(f"a JaxPM grid must be sharded over its first two axes only "
-                             f"(like P('x', 'y')); got {spec}")
+            raise ValueError(
+                f"a JaxPM grid must be sharded over its first two axes only "
+                f"(like P('x', 'y')); got {spec}"
+            )
         x, y = (_single_axis(e, spec) for e in entries[:2])
         return x, y
     if any(e is not None for e in entries[1:]):
@@ -218,5 +231,6 @@ def _single_axis(entry, spec):
         return entry
     if len(entry) == 1:
         return entry[0]
-    raise ValueError(f"each of the grid's first two axes must be sharded over one mesh axis; "
-                     f"got {spec}")
+    raise ValueError(
+        f"each of the grid's first two axes must be sharded over one mesh axis; got {spec}"
+    )

@@ -42,7 +42,7 @@ class Particles:
     box_size: float = dataclasses.field(default=1.0, metadata=dict(static=True))
 
     @classmethod
-    def create(cls, pos, box_size, *, id=None, vel=None, mass=1.0, num=None) -> "Particles":
+    def create(cls, pos, box_size, *, id=None, vel=None, mass=1.0, num=None) -> Particles:
         """Build particles, wrapping ``pos`` into the box.
 
         ``id`` defaults to the C-order row index and ``num`` to all rows. Rows at or after
@@ -75,9 +75,14 @@ class Particles:
             if not checked:
                 pos = _leave_out_unusable_ids(pos, id)
         dense = num is None
-        particles = cls(wrap(pos, box_size), jnp.asarray(id, jnp.int32),
-                        jnp.asarray(size if dense else num, jnp.int32),
-                        None if vel is None else jnp.asarray(vel, pos.dtype), mass, box_size)
+        particles = cls(
+            wrap(pos, box_size),
+            jnp.asarray(id, jnp.int32),
+            jnp.asarray(size if dense else num, jnp.int32),
+            None if vel is None else jnp.asarray(vel, pos.dtype),
+            mass,
+            box_size,
+        )
         return particles if dense else particles.masked()
 
     @property
@@ -98,15 +103,20 @@ class Particles:
         mass = jnp.broadcast_to(jnp.asarray(self.mass, self.pos.dtype), self.shape).reshape(-1)
         return jnp.where(self.valid(), mass, 0)
 
-    def masked(self) -> "Particles":
+    def masked(self) -> Particles:
         """Set padding rows to the padding convention (id -1, zeros)."""
         valid = self.valid().reshape(self.shape)
         zero = lambda a: None if a is None else jnp.where(valid[..., None], a, 0)
         mass = self.mass
         if jnp.ndim(mass):
             mass = jnp.where(valid, mass, 0)
-        return dataclasses.replace(self, pos=zero(self.pos), vel=zero(self.vel),
-                                   id=jnp.where(valid, self.id, -1), mass=mass)
+        return dataclasses.replace(
+            self,
+            pos=zero(self.pos),
+            vel=zero(self.vel),
+            id=jnp.where(valid, self.id, -1),
+            mass=mass,
+        )
 
 
 def check_real(x, name: str) -> None:
@@ -148,8 +158,10 @@ def _check_row_field(name: str, value, shape: tuple) -> None:
         return
     check_real(value, name)
     if tuple(np.shape(value)) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} (the positions' rows), "
-                         f"got {tuple(np.shape(value))}")
+        raise ValueError(
+            f"{name} must have shape {tuple(shape)} (the positions' rows), "
+            f"got {tuple(np.shape(value))}"
+        )
 
 
 def _checked_ids(id, shape, num):
@@ -162,27 +174,32 @@ def _checked_ids(id, shape, num):
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"particle ids must be integers, got dtype {ids.dtype}")
     if tuple(ids.shape) != tuple(shape):
-        raise ValueError(f"particle ids must have the positions' leading shape {shape}, "
-                         f"got {ids.shape}")
+        raise ValueError(
+            f"particle ids must have the positions' leading shape {shape}, got {ids.shape}"
+        )
     if isinstance(ids, jax.core.Tracer) or isinstance(num, jax.core.Tracer):
         return ids, False
     if ids.size == 0:
         return ids, True
     if on_host:
-        rows = ids.reshape(-1)[:max(int(num), 0)]
+        rows = ids.reshape(-1)[: max(int(num), 0)]
         lo, hi = (rows.min(), rows.max()) if rows.size else (0, 0)
     else:
         lo, hi = _valid_id_range(ids, num)
         if isinstance(lo, jax.core.Tracer):  # inside a user's trace
             return ids, False
     if int(lo) < 0 or int(hi) > ID_MAX:
-        raise ValueError(f"particle ids must lie in [0, {ID_MAX}] (int32; -1 marks padding), "
-                         f"got ids from {int(lo)} to {int(hi)}. Relabel them, e.g. "
-                         "np.unique(ids, return_inverse=True), and map the results back")
+        raise ValueError(
+            f"particle ids must lie in [0, {ID_MAX}] (int32; -1 marks padding), "
+            f"got ids from {int(lo)} to {int(hi)}. Relabel them, e.g. "
+            "np.unique(ids, return_inverse=True), and map the results back"
+        )
     if on_host and np.unique(rows).size < rows.size:
-        raise ValueError("particle ids must be unique (FoF labels a group by its smallest "
-                         "id), but some repeat. Leave id out to number the rows, or pass "
-                         "id=np.arange(len(ids)) and keep your ids beside them")
+        raise ValueError(
+            "particle ids must be unique (FoF labels a group by its smallest "
+            "id), but some repeat. Leave id out to number the rows, or pass "
+            "id=np.arange(len(ids)) and keep your ids beside them"
+        )
     return ids, True
 
 
@@ -212,8 +229,10 @@ def _valid_id_range(ids, num):
 
 def _check_box_size(box_size) -> float:
     if np.ndim(box_size) != 0 or isinstance(box_size, (bool, np.bool_, str)):
-        raise ValueError(f"box_size must be one number, the side of a cubic periodic box "
-                         f"(non-cubic boxes are not supported), got {box_size!r}")
+        raise ValueError(
+            f"box_size must be one number, the side of a cubic periodic box "
+            f"(non-cubic boxes are not supported), got {box_size!r}"
+        )
     box_size = float(box_size)
     if not box_size > 0 or box_size != box_size or box_size == float("inf"):
         raise ValueError(f"box_size must be a positive finite length, got {box_size}")
@@ -225,9 +244,11 @@ def check_row_count(rows: int) -> None:
     them (a default lattice id past 2**31 - 1 turns negative) and mislabel groups and
     neighbours with no sign. Refused before anything is traced."""
     if rows > INT32_MAX:
-        raise ValueError(f"{rows} particle rows: jaxpm_halos numbers particles and rows in "
-                         f"int32, so at most 2**31 - 1 = {INT32_MAX} fit (nc <= 1290 on a "
-                         "JaxPM grid)")
+        raise ValueError(
+            f"{rows} particle rows: jaxpm_halos numbers particles and rows in "
+            f"int32, so at most 2**31 - 1 = {INT32_MAX} fit (nc <= 1290 on a "
+            "JaxPM grid)"
+        )
 
 
 def check_scale_factor(a) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,17 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .config import CAPACITY, GHOSTS, IMAGES, TRANSFER, DomainConfig, Knob
-from .domain import Decomposition, Migrated, decompose, migrate, pmax_all, pmin_all, psum_all
-from .domain import return_trip, with_ghosts
+from .domain import (
+    Decomposition,
+    Migrated,
+    decompose,
+    migrate,
+    pmax_all,
+    pmin_all,
+    psum_all,
+    return_trip,
+    with_ghosts,
+)
 from .layout import Layout, Pencils, width_fraction
 from .status import Limit, Status, is_status, is_traced
 
@@ -120,40 +130,60 @@ class Plan:
     @property
     def image_rows(self) -> int:
         """Rows per side for periodic images along z within ``width`` of the z faces."""
-        return self.domain.image_rows(self.n0, width_fraction(self.pencils, self.width),
-                                      self.width / self.pencils.box_size)
+        return self.domain.image_rows(
+            self.n0, width_fraction(self.pencils, self.width), self.width / self.pencils.box_size
+        )
 
-    def with_width(self, width: float) -> "Plan":
+    def with_width(self, width: float) -> Plan:
         return dataclasses.replace(self, width=float(width))
 
     def limit(self, knob: Knob) -> Limit:
         """The :class:`Limit` of the buffer ``knob`` sizes."""
-        rows = {TRANSFER: self.transfer_rows, CAPACITY: self.capacity_rows,
-                GHOSTS: self.ghost_rows, IMAGES: self.image_rows}[knob]
+        rows = {
+            TRANSFER: self.transfer_rows,
+            CAPACITY: self.capacity_rows,
+            GHOSTS: self.ghost_rows,
+            IMAGES: self.image_rows,
+        }[knob]
         return Limit(knob, rows, self.n0)
 
     def status(self, needs: dict, knobs: dict, nonfinite=None) -> Status:
         """A status of named buffers (``knobs`` maps each name to its knob), maxima over
         devices."""
         limits = tuple((self.prefix + name, self.limit(knobs[name])) for name in needs)
-        needed = {self.prefix + name: value for name, value in pmax_all(self.pencils, needs).items()}
+        needed = {
+            self.prefix + name: value for name, value in pmax_all(self.pencils, needs).items()
+        }
         nonfinite = jnp.int32(0) if nonfinite is None else psum_all(self.pencils, nonfinite)
         return Status(needed, nonfinite, limits)
 
     def migrate(self, fields: dict, valid) -> tuple[Migrated, Status]:
         """Send every valid row to its pencil (no ghosts); with the status of the move."""
         mig = migrate(self.pencils, fields, valid, self.transfer_rows, self.capacity_rows)
-        status = self.status({"transfer": mig.need_transfer, "capacity": mig.need_capacity},
-                             {"transfer": TRANSFER, "capacity": CAPACITY}, mig.nonfinite)
+        status = self.status(
+            {"transfer": mig.need_transfer, "capacity": mig.need_capacity},
+            {"transfer": TRANSFER, "capacity": CAPACITY},
+            mig.nonfinite,
+        )
         return mig, status
 
     def decompose(self, fields: dict, valid) -> tuple[Decomposition, Status]:
         """Migration plus ghosts of ``width``; with the status of its three buffers."""
-        dec = decompose(self.pencils, fields, valid, self.width, self.transfer_rows,
-                        self.capacity_rows, self.ghost_rows)
+        dec = decompose(
+            self.pencils,
+            fields,
+            valid,
+            self.width,
+            self.transfer_rows,
+            self.capacity_rows,
+            self.ghost_rows,
+        )
         mig = dec.migrated
-        needs = {"transfer": mig.need_transfer, "capacity": mig.need_capacity,
-                 "ghosts": dec.need_ghosts}
+        needs = {
+            "transfer": mig.need_transfer,
+            "capacity": mig.need_capacity,
+            "ghosts": dec.need_ghosts,
+        }
         knobs = {"transfer": TRANSFER, "capacity": CAPACITY, "ghosts": GHOSTS}
         status = self.status(needs, knobs, mig.nonfinite)
         return dataclasses.replace(dec, fits=status.buffers_fit()), status
@@ -171,9 +201,17 @@ class Plan:
         -1 for integers and False for booleans."""
         arrived = jnp.ones(migrated.payload["id"].shape, bool)
         packed, unpack = pack_rows((values, arrived))
-        back, arrived = unpack(return_trip(self.pencils, packed, migrated.payload["origin"],
-                                           migrated.count, input_rows, self.transfer_rows,
-                                           self.capacity_rows))
+        back, arrived = unpack(
+            return_trip(
+                self.pencils,
+                packed,
+                migrated.payload["origin"],
+                migrated.count,
+                input_rows,
+                self.transfer_rows,
+                self.capacity_rows,
+            )
+        )
         return blank_rows(back, arrived)
 
 
@@ -223,16 +261,21 @@ def analyse(decomposition: Decomposition, domain: Status, steps: dict):
     ``steps``, ``kinds`` with one kind per leaf."""
     outputs, kinds = {}, {}
     for name, step in steps.items():
-        out = jax.tree.map(lambda s: domain.merge(s) if is_status(s) else s,
-                           step.run(decomposition), is_leaf=is_status)
+        out = jax.tree.map(
+            lambda s: domain.merge(s) if is_status(s) else s,
+            step.run(decomposition),
+            is_leaf=is_status,
+        )
         outputs[name] = out
         try:
             kinds[name] = leaf_kinds(step.outputs, out)
         except ValueError as error:  # a tree mismatch, raised by JAX without the name
-            raise ValueError(f"analysis {name!r}: its declared outputs={step.outputs!r} (a "
-                             "prefix tree of kinds) does not match the tree it returned, "
-                             f"{jax.tree.structure(out)}; declare a kind for every key it "
-                             f"returns ({error})") from None
+            raise ValueError(
+                f"analysis {name!r}: its declared outputs={step.outputs!r} (a "
+                "prefix tree of kinds) does not match the tree it returned, "
+                f"{jax.tree.structure(out)}; declare a kind for every key it "
+                f"returns ({error})"
+            ) from None
         _check_output_shapes(name, out, kinds[name], decomposition.migrated.valid.shape[0])
     return outputs, kinds
 
@@ -246,11 +289,14 @@ def _check_output_shapes(name: str, out, kinds, rows: int):
         shape = tuple(jnp.shape(leaf))
         where = f"analysis {name!r}, output {jax.tree_util.keystr(path) or 'value'}"
         if kind == "particle" and (not shape or shape[0] != rows):
-            raise ValueError(f"{where}: a 'particle' output needs one row per owned row of "
-                             f"the snapshot, shape ({rows}, ...); got {shape}")
+            raise ValueError(
+                f"{where}: a 'particle' output needs one row per owned row of "
+                f"the snapshot, shape ({rows}, ...); got {shape}"
+            )
         if kind == "device" and not shape:
-            raise ValueError(f"{where}: a 'device' output needs a leading axis (e.g. "
-                             f"value[None]); got a scalar")
+            raise ValueError(
+                f"{where}: a 'device' output needs a leading axis (e.g. value[None]); got a scalar"
+            )
 
 
 def on_device(plan: Plan, fields: dict, valid, block_shape, steps: dict):
@@ -263,14 +309,14 @@ def on_device(plan: Plan, fields: dict, valid, block_shape, steps: dict):
     outputs, kinds = analyse(decomposition, domain, steps)
     leaves, treedef = jax.tree.flatten(outputs)
     flat_kinds = jax.tree.leaves(kinds)
-    rows = {i: leaf for i, (leaf, kind) in enumerate(zip(leaves, flat_kinds))
-            if kind == "particle"}
+    rows = {i: leaf for i, (leaf, kind) in enumerate(zip(leaves, flat_kinds)) if kind == "particle"}
     back = plan.trip(rows, decomposition.migrated, valid.shape[0])
-    leaves = [back[i].reshape(tuple(block_shape) + back[i].shape[1:]) if i in back else leaf
-              for i, leaf in enumerate(leaves)]
+    leaves = [
+        back[i].reshape(tuple(block_shape) + back[i].shape[1:]) if i in back else leaf
+        for i, leaf in enumerate(leaves)
+    ]
     outputs = jax.tree.unflatten(treedef, leaves)
-    return ({**outputs, "domain": domain},
-            {**kinds, "domain": leaf_kinds("replicated", domain)})
+    return ({**outputs, "domain": domain}, {**kinds, "domain": leaf_kinds("replicated", domain)})
 
 
 def run_sharded(layout: Layout, device: Callable, args, in_specs):
@@ -282,8 +328,7 @@ def run_sharded(layout: Layout, device: Callable, args, in_specs):
         outputs, kinds = device(*blocks)
         leaves, structure["tree"] = jax.tree.flatten(outputs)
         structure["kinds"] = jax.tree.leaves(kinds)
-        return tuple([x for x, k in zip(leaves, structure["kinds"]) if k == kind]
-                     for kind in KINDS)
+        return tuple([x for x, k in zip(leaves, structure["kinds"]) if k == kind] for kind in KINDS)
 
     specs = (layout.spec, layout.device_spec, P())
     parts = layout.run(split, args, in_specs, specs)
@@ -299,8 +344,11 @@ def leaf_kinds(declared, result):
     def expand(kind, sub):
         if kind not in KINDS:
             raise ValueError(f"output kind must be one of {KINDS}, got {kind!r}")
-        return jax.tree.map(lambda s: jax.tree.map(lambda _: "replicated", s)
-                            if is_status(s) else kind, sub, is_leaf=is_status)
+        return jax.tree.map(
+            lambda s: jax.tree.map(lambda _: "replicated", s) if is_status(s) else kind,
+            sub,
+            is_leaf=is_status,
+        )
 
     expanded = jax.tree.map(expand, declared, result, is_leaf=lambda x: isinstance(x, str))
     return jax.tree.unflatten(jax.tree.structure(result), jax.tree.leaves(expanded))
@@ -355,8 +403,7 @@ def pack_rows(tree):
         else:
             layout.append(("o", leaf.shape, leaf.dtype, len(other)))
             other.append(leaf)
-    cat = lambda cols, dtype: (jnp.concatenate(cols, axis=1) if cols
-                               else jnp.zeros((n, 0), dtype))
+    cat = lambda cols, dtype: jnp.concatenate(cols, axis=1) if cols else jnp.zeros((n, 0), dtype)
     packed = (cat(floats, jnp.float32), cat(ints, jnp.int32), other)
 
     def unpack(moved):
@@ -370,7 +417,7 @@ def pack_rows(tree):
             for s in shape[1:]:
                 width *= s
             block = fblock if kind == "f" else iblock
-            flat = block[:, start:start + width]
+            flat = block[:, start : start + width]
             if kind == "i":
                 flat = flat > 0 if dtype == jnp.bool_ else flat.astype(dtype)
             out.append(flat.reshape((block.shape[0],) + shape[1:]))

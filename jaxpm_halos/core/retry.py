@@ -12,7 +12,7 @@ passed next time and the reruns skipped.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from .status import FailureKind, spell_config
 
@@ -27,9 +27,16 @@ class GrowthWarning(UserWarning):
     """Buffers were grown and the call rerun: pass the config named to skip the reruns."""
 
 
-def run_growing(call: Callable, config, failure_of: Callable, *, grow: bool,
-                error: Callable | None = None, spell: Callable | None = None,
-                stacklevel: int = 3):
+def run_growing(
+    call: Callable,
+    config,
+    failure_of: Callable,
+    *,
+    grow: bool,
+    error: Callable | None = None,
+    spell: Callable | None = None,
+    stacklevel: int = 3,
+):
     """``call(config) -> result``, rerun with grown buffers until ``failure_of(result)``
     is None.
 
@@ -68,7 +75,10 @@ def run_growing(call: Callable, config, failure_of: Callable, *, grow: bool,
         last.args = (f"{last} (still overflowing after {MAX_ROUNDS} rounds of growth)",)
         raise last
     if config != start:
-        warnings.warn(f"jaxpm_halos: buffers overflowed and were grown, and the call ran "
-                      f"again. Pass {spell(config)} to skip the reruns.", GrowthWarning,
-                      stacklevel=stacklevel)
+        warnings.warn(
+            f"jaxpm_halos: buffers overflowed and were grown, and the call ran "
+            f"again. Pass {spell(config)} to skip the reruns.",
+            GrowthWarning,
+            stacklevel=stacklevel,
+        )
     return result, config

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +144,7 @@ class Failure:
             settings[limit.knob] = max(settings.get(limit.knob, 0), limit.suggest(needed, margin))
         return settings
 
-    def joined(self, others) -> "Failure":
+    def joined(self, others) -> Failure:
         """This overflow, also growing the particle buffers of its config class that the
         overflows ``others`` (of other statuses of the same data) name, each to the most
         any of them needs."""
@@ -161,8 +161,11 @@ class Failure:
     @property
     def beyond_bound(self) -> bool:
         """Whether the overflowing knob would have to exceed its bound (no setting fits)."""
-        return (self.limit is not None and self.limit.most is not None
-                and self.limit.unbounded(self.needed) > self.limit.most)
+        return (
+            self.limit is not None
+            and self.limit.most is not None
+            and self.limit.unbounded(self.needed) > self.limit.most
+        )
 
     def grown(self, config, margin: float = 1.0):
         """``config`` with the overflowing knobs set to values that fit."""
@@ -177,66 +180,88 @@ class Failure:
         alone. ``argument`` formats the setting as the
         caller's argument, e.g. ``"config={}"``."""
         if self.kind is FailureKind.NONFINITE:
-            return (f"jaxpm_halos: {self.count} particle positions (or masses, query points "
-                    "or SO centres) are NaN, inf or unusable (inside jit they are left out of "
-                    "the results; so are the padding rows of Particles whose num is "
-                    "traced). Clean the input (or pass only the valid rows) and rerun.")
+            return (
+                f"jaxpm_halos: {self.count} particle positions (or masses, query points "
+                "or SO centres) are NaN, inf or unusable (inside jit they are left out of "
+                "the results; so are the padding rows of Particles whose num is "
+                "traced). Clean the input (or pass only the valid rows) and rerun."
+            )
         if self.kind is FailureKind.REPEATED_IDS:
-            return (f"jaxpm_halos: particle ids repeat: FoF groups ({self.count}) hold more "
-                    "than one particle with the group's smallest id, and groups that share "
-                    "their smallest id are merged into one catalogue row. Give every particle "
-                    "a unique id in [0, 2**31 - 2] (Particles.create(pos, box_size) numbers "
-                    "the rows; unique 64-bit ids can be relabelled with np.unique(ids, "
-                    "return_inverse=True)) and rerun.")
+            return (
+                f"jaxpm_halos: particle ids repeat: FoF groups ({self.count}) hold more "
+                "than one particle with the group's smallest id, and groups that share "
+                "their smallest id are merged into one catalogue row. Give every particle "
+                "a unique id in [0, 2**31 - 2] (Particles.create(pos, box_size) numbers "
+                "the rows; unique 64-bit ids can be relabelled with np.unique(ids, "
+                "return_inverse=True)) and rerun."
+            )
         if self.kind is FailureKind.TOO_FEW:
-            return (f"jaxpm_halos: {self.count} kNN rows found fewer than k neighbours: "
-                    "there are fewer than k + 1 particles (k at query points) once padding "
-                    "and non-finite ones are left out; those rows are NaN (ids -1). Use a "
-                    "smaller k or more particles (knn_local: pass total=, the number of "
-                    "valid particles, to have k checked before the search).")
+            return (
+                f"jaxpm_halos: {self.count} kNN rows found fewer than k neighbours: "
+                "there are fewer than k + 1 particles (k at query points) once padding "
+                "and non-finite ones are left out; those rows are NaN (ids -1). Use a "
+                "smaller k or more particles (knn_local: pass total=, the number of "
+                "valid particles, to have k checked before the search)."
+            )
         if self.kind is FailureKind.NOT_RUN:
-            return ("jaxpm_halos: the in-situ analyses did not run: the diffrax solve took "
-                    "no step (its t0 equals t1), and InSitu.saveat's function (and "
-                    "run_simulation's saveat_fn) runs inside the solve's steps. Run the "
-                    "analyses on the state itself instead: insitu(y0, a).")
+            return (
+                "jaxpm_halos: the in-situ analyses did not run: the diffrax solve took "
+                "no step (its t0 equals t1), and InSitu.saveat's function (and "
+                "run_simulation's saveat_fn) runs inside the solve's steps. Run the "
+                "analyses on the state itself instead: insitu(y0, a)."
+            )
         if self.kind is FailureKind.UNREPLICATED:
-            return (f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
-                    "every device (only one device's value would come back). Reduce it over "
-                    "the snapshot's mesh axes (snap.pencils.x_axis and y_axis, e.g. "
-                    "lax.psum), or declare it 'device' to get every device's value.")
+            return (
+                f"jaxpm_halos: {self.buffer} declared 'replicated' but not the same on "
+                "every device (only one device's value would come back). Reduce it over "
+                "the snapshot's mesh axes (snap.pencils.x_axis and y_axis, e.g. "
+                "lax.psum), or declare it 'device' to get every device's value."
+            )
         knob = self.limit.knob
         if self.beyond_bound:
-            return (f"jaxpm_halos: buffer '{self.buffer}' needs {knob} = "
-                    f"{self.limit.unbounded(self.needed)!r}, but it can be at most "
-                    f"{self.limit.most:.3g} here: {self.limit.beyond}")
+            return (
+                f"jaxpm_halos: buffer '{self.buffer}' needs {knob} = "
+                f"{self.limit.unbounded(self.needed)!r}, but it can be at most "
+                f"{self.limit.most:.3g} here: {self.limit.beyond}"
+            )
         if config is None:
             fields = ", ".join(f"{k.field}={v!r}" for k, v in self.settings().items())
             setting = f"{knob.owner.__name__}({fields})"
         else:
             setting = spell_config(self.grown(config), keep=knob)
         if self.limit.searched:
-            return (f"jaxpm_halos: {knob} was not enough ('{self.buffer}'): what it needs is "
-                    "only known once reached. "
-                    f"Rerun with {argument.format(setting)} or more (twice the value; "
-                    "grow=True, the default outside jit, finds it).")
-        text = (f"jaxpm_halos: buffer '{self.buffer}' overflowed: {self.count} rows were needed "
-                f"per device but {knob} gives {self.limit.rows}. Rerun with "
-                f"{argument.format(setting)}.")
+            return (
+                f"jaxpm_halos: {knob} was not enough ('{self.buffer}'): what it needs is "
+                "only known once reached. "
+                f"Rerun with {argument.format(setting)} or more (twice the value; "
+                "grow=True, the default outside jit, finds it)."
+            )
+        text = (
+            f"jaxpm_halos: buffer '{self.buffer}' overflowed: {self.count} rows were needed "
+            f"per device but {knob} gives {self.limit.rows}. Rerun with "
+            f"{argument.format(setting)}."
+        )
         if self.also:
             names = ", ".join(f"'{name}'" for name, _, _ in self.also)
-            text += (f" It also grows {names}, which overflowed too (to what they needed "
-                     "here, on data an earlier buffer cut: they may need more).")
+            text += (
+                f" It also grows {names}, which overflowed too (to what they needed "
+                "here, on data an earlier buffer cut: they may need more)."
+            )
         if not self.last:
-            text += (" Buffers after this one saw truncated data; if one of them overflows "
-                     "next, its error will say so.")
+            text += (
+                " Buffers after this one saw truncated data; if one of them overflows "
+                "next, its error will say so."
+            )
         return text
 
     def error(self, config=None, argument: str = "{}") -> Exception:
-        kind = {FailureKind.NONFINITE: InvalidInputError,
-                FailureKind.REPEATED_IDS: InvalidInputError,
-                FailureKind.TOO_FEW: InvalidInputError,
-                FailureKind.UNREPLICATED: ValueError,
-                FailureKind.NOT_RUN: ValueError}.get(self.kind, CapacityError)
+        kind = {
+            FailureKind.NONFINITE: InvalidInputError,
+            FailureKind.REPEATED_IDS: InvalidInputError,
+            FailureKind.TOO_FEW: InvalidInputError,
+            FailureKind.UNREPLICATED: ValueError,
+            FailureKind.NOT_RUN: ValueError,
+        }.get(self.kind, CapacityError)
         error = kind(self.message(config, argument))
         error.failure = self
         return error
@@ -317,8 +342,13 @@ class Status:
         """Scalar bool: every buffer fitted, every position was finite, no ids repeated in a
         way that merged groups, every kNN row found its k neighbours, and every output
         declared replicated was the same on every device, and the analyses ran at all."""
-        good = ((self.nonfinite == 0) & (self.repeated_ids == 0) & (self.too_few == 0)
-                & ~jnp.any(self.unreplicated, axis=-1) & ~self.not_run)
+        good = (
+            (self.nonfinite == 0)
+            & (self.repeated_ids == 0)
+            & (self.too_few == 0)
+            & ~jnp.any(self.unreplicated, axis=-1)
+            & ~self.not_run
+        )
         return good & self.buffers_fit()
 
     def buffers_fit(self, skip: tuple[str, ...] = ()) -> jax.Array:
@@ -329,7 +359,7 @@ class Status:
                 good = good & (self.needed[name] <= limit.rows)
         return good
 
-    def merge(self, other: "Status") -> "Status":
+    def merge(self, other: Status) -> Status:
         """Both statuses' buffers (``self``'s first) and the larger exclusion,
         repeated-id and too-few counts. A name in both must be the same buffer (the same limit)."""
         mine = dict(self.limits)
@@ -338,19 +368,30 @@ class Status:
                 raise ValueError(f"two different buffers are both named {name!r}")
         needed = {**self.needed, **other.needed}
         limits = self.limits + tuple(item for item in other.limits if item[0] not in mine)
-        return Status(needed, jnp.maximum(self.nonfinite, other.nonfinite), limits,
-                      jnp.concatenate([self.unreplicated, other.unreplicated], axis=-1),
-                      self.replicated + other.replicated,
-                      jnp.maximum(self.repeated_ids, other.repeated_ids),
-                      jnp.maximum(self.too_few, other.too_few), self.not_run | other.not_run)
+        return Status(
+            needed,
+            jnp.maximum(self.nonfinite, other.nonfinite),
+            limits,
+            jnp.concatenate([self.unreplicated, other.unreplicated], axis=-1),
+            self.replicated + other.replicated,
+            jnp.maximum(self.repeated_ids, other.repeated_ids),
+            jnp.maximum(self.too_few, other.too_few),
+            self.not_run | other.not_run,
+        )
 
-    def renamed(self, prefix: str) -> "Status":
+    def renamed(self, prefix: str) -> Status:
         """The same status with ``prefix`` before every buffer name (to merge it with a
         status of other buffers of the same names)."""
-        return Status({prefix + name: value for name, value in self.needed.items()},
-                      self.nonfinite, tuple((prefix + name, limit) for name, limit in self.limits),
-                      self.unreplicated, self.replicated, self.repeated_ids, self.too_few,
-                      self.not_run)
+        return Status(
+            {prefix + name: value for name, value in self.needed.items()},
+            self.nonfinite,
+            tuple((prefix + name, limit) for name, limit in self.limits),
+            self.unreplicated,
+            self.replicated,
+            self.repeated_ids,
+            self.too_few,
+            self.not_run,
+        )
 
     def failure(self) -> Failure | None:
         """Host-side: the first failure, or None when all is well."""
@@ -368,23 +409,38 @@ class Status:
         if too_few:
             return Failure(FailureKind.TOO_FEW, too_few)
         needs = {name: int(np.max(np.asarray(self.needed[name]))) for name, _ in self.limits}
+
         def knob_need(limit: Limit) -> int:
             """Rows of ``limit``'s buffer for which every buffer sharing its knob fits: the
             knob resizes them together, each at its own rows per unit of the knob (a query
             buffer's 25 rows per unit are not a particle buffer's 512)."""
-            return max(needs[n] if other.scale == limit.scale
-                       else math.ceil(needs[n] * limit.scale / other.scale)
-                       for n, other in self.limits if other.knob == limit.knob)
+            return max(
+                needs[n]
+                if other.scale == limit.scale
+                else math.ceil(needs[n] * limit.scale / other.scale)
+                for n, other in self.limits
+                if other.knob == limit.knob
+            )
 
         for position, (name, limit) in enumerate(self.limits):
             if needs[name] <= limit.rows:
                 continue
-            also = tuple((later, other, knob_need(other))
-                         for later, other in self.limits[position + 1:]
-                         if needs[later] > other.rows and _grows_with(limit, other)
-                         and other.knob != limit.knob)
-            return Failure(FailureKind.OVERFLOW, needs[name], name, limit, knob_need(limit),
-                           last=position + 1 == len(self.limits), also=also)
+            also = tuple(
+                (later, other, knob_need(other))
+                for later, other in self.limits[position + 1 :]
+                if needs[later] > other.rows
+                and _grows_with(limit, other)
+                and other.knob != limit.knob
+            )
+            return Failure(
+                FailureKind.OVERFLOW,
+                needs[name],
+                name,
+                limit,
+                knob_need(limit),
+                last=position + 1 == len(self.limits),
+                also=also,
+            )
         if not self.replicated:
             return None
         # (..., R) when stacked over snapshots: an output that differed at any of them.
@@ -452,8 +508,7 @@ def _on_every_device(status: Status, check):
     if mesh is None:
         return local(status)
     axes = tuple(mesh.axis_names)
-    return jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(axes),
-                         check_vma=False)(status)
+    return jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(axes), check_vma=False)(status)
 
 
 def _mesh_of(x):

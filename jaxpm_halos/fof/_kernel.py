@@ -34,8 +34,8 @@ from ..core.catalogue import Catalogue, catalogue_rows
 from ..core.cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
 from ..core.config import IMAGES, MAX_HALOS, FoFConfig
 from ..core.domain import Decomposition, Extended, Ghosts, pmax_all, psum_all, selection
-from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.geometry import exactly_within, periodic_distance2, squared_length_limits
+from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.layout import Pencils
 from ..core.pipeline import Plan, Step
 from ..core.status import Limit, Status
@@ -44,8 +44,14 @@ int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max
 
 
-def local_components(ext: Extended, pencils: Pencils, linking_length: float, width: float,
-                     image_rows: int, chunk: int | None):
+def local_components(
+    ext: Extended,
+    pencils: Pencils,
+    linking_length: float,
+    width: float,
+    image_rows: int,
+    chunk: int | None,
+):
     """Connected components of the friends graph among one device's extended rows.
 
     Returns ``(component, segments, need_images)``: for each extended row a component
@@ -103,16 +109,17 @@ def local_components(ext: Extended, pencils: Pencils, linking_length: float, wid
     # test below uses canonical coordinates.
     starts, ends = half_shell_windows(cols, jnp.asarray(width, pos.dtype))
     empty = jnp.zeros(buffer, int32)
-    state = for_each_pair_chunk(starts, ends, chunk, link_chunk,
-                                (parent, empty, empty, jnp.int32(0)))
+    state = for_each_pair_chunk(
+        starts, ends, chunk, link_chunk, (parent, empty, empty, jnp.int32(0))
+    )
     parent = flush(state)[0]
     return parent[rank[:n_ext]], rows, need_images
 
 
 def near_links(near, a, b, box: float, squared_length: float, block: int = 64):
     """(P,) which of the pairs flagged ``near`` (P,) of rows ``a``, ``b`` (P, 3) are within
-    ``squared_length`` exactly (:func:`~jaxpm_halos.core.geometry.exactly_within`), ``block`` at a time:
-    they are few, so the exact test runs on them alone (no pass at all where none is)."""
+    ``squared_length`` exactly (:func:`~jaxpm_halos.core.geometry.exactly_within`), ``block`` at a
+    time: they are few, so the exact test runs on them alone (no pass at all where none is)."""
     P = near.shape[0]
 
     def decide(state):
@@ -120,11 +127,11 @@ def near_links(near, a, b, box: float, squared_length: float, block: int = 64):
         (pick,) = jnp.nonzero(todo, size=block, fill_value=P)  # (block,)
         take = functools.partial(jnp.take, axis=0, mode="fill", fill_value=0)
         within = exactly_within(take(a, pick), take(b, pick), box, squared_length)
-        return (todo.at[pick].set(False, mode="drop"),
-                links.at[pick].set(within, mode="drop"))
+        return (todo.at[pick].set(False, mode="drop"), links.at[pick].set(within, mode="drop"))
 
-    return control.while_loop(lambda state: jnp.any(state[0]), decide,
-                              (near, jnp.zeros_like(near)))[1]
+    return control.while_loop(
+        lambda state: jnp.any(state[0]), decide, (near, jnp.zeros_like(near))
+    )[1]
 
 
 def merge_labels(ext: Extended, ghosts: Ghosts, pencils: Pencils, component, segments: int):
@@ -145,8 +152,9 @@ def merge_labels(ext: Extended, ghosts: Ghosts, pencils: Pencils, component, seg
         changed = psum_all(pencils, jnp.sum(new != labels, dtype=int32))
         return new, changed, iterations + 1
 
-    labels, _, iterations = control.while_loop(lambda s: s[1] > 0, step,
-                                               (spread(ids), jnp.int32(1), jnp.int32(0)))
+    labels, _, iterations = control.while_loop(
+        lambda s: s[1] > 0, step, (spread(ids), jnp.int32(1), jnp.int32(0))
+    )
     return jnp.where(ext.valid, labels, -1), iterations
 
 
@@ -162,16 +170,20 @@ def _group_by_label(labels, component, segments: int, is_ghost, ghost_rows: int)
     (at most one per ghost row) need their labels compared.
     """
     has_ghost = jax.ops.segment_max(is_ghost, component, num_segments=segments)
-    component_label = jax.ops.segment_min(jnp.where(labels >= 0, labels, _BIG), component,
-                                          num_segments=segments)
+    component_label = jax.ops.segment_min(
+        jnp.where(labels >= 0, labels, _BIG), component, num_segments=segments
+    )
     edge, _ = selection(has_ghost, ghost_rows)
     edge_label = jnp.take(component_label, edge, mode="fill", fill_value=_BIG)
     sorted_label, at = sort_rows(edge_label)  # edges are ascending: ties stay in edge order
     sorted_component = edge[at]
     starts = jnp.concatenate([jnp.ones(1, bool), sorted_label[1:] != sorted_label[:-1]])
     first = lax.cummax(jnp.where(starts, jnp.arange(ghost_rows, dtype=int32), 0))
-    representative = jnp.arange(segments, dtype=int32).at[sorted_component].set(
-        sorted_component[first], mode="drop")
+    representative = (
+        jnp.arange(segments, dtype=int32)
+        .at[sorted_component]
+        .set(sorted_component[first], mode="drop")
+    )
     group = representative[component]
     return group, jax.ops.segment_max(is_ghost, group, num_segments=segments)
 
@@ -193,7 +205,7 @@ def linking_length_misfit(linking_length: float, pencils: Pencils) -> str | None
 def _floor_significant(x: float, digits: int) -> float:
     """``x > 0`` rounded down to ``digits`` significant digits (a value that still fits)."""
     shift = digits - 1 - math.floor(math.log10(x))  # decimals kept (negative: tens, ...)
-    return math.floor(x * 10.0 ** shift) / 10.0 ** shift
+    return math.floor(x * 10.0**shift) / 10.0**shift
 
 
 def check_linking_length(l: float, pencils: Pencils) -> None:
@@ -204,18 +216,24 @@ def check_linking_length(l: float, pencils: Pencils) -> None:
     widest = _floor_significant(widest_linking_length(pencils), 5)
     if misfit == "box":  # with a length that fits the pencils too
         fits = f"< {box:g} / 3" if widest >= box / 3 else f"<= {widest}"
-        raise ValueError(f"linking length {l} must be below a third of the box {box}: use a "
-                         f"linking length {fits}")
+        raise ValueError(
+            f"linking length {l} must be below a third of the box {box}: use a "
+            f"linking length {fits}"
+        )
     if misfit == "pencil":
-        raise ValueError(f"linking length {l} needs a ghost layer of {ghost_width(l, box):.7g} "
-                         f"(a margin for float rounding), wider than a pencil "
-                         f"({min(pencils.widths)}) of the ({pencils.px}, {pencils.py}) mesh; "
-                         f"use a linking length <= {widest} or fewer devices along that axis")
+        raise ValueError(
+            f"linking length {l} needs a ghost layer of {ghost_width(l, box):.7g} "
+            f"(a margin for float rounding), wider than a pencil "
+            f"({min(pencils.widths)}) of the ({pencils.px}, {pencils.py}) mesh; "
+            f"use a linking length <= {widest} or fewer devices along that axis"
+        )
 
 
-def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,
-             peak_density=None) -> Step:
-    """FoF as a pipeline :class:`~jaxpm_halos.core.pipeline.Step`: labels per particle and the catalogue.
+def fof_step(
+    plan: Plan, linking_length: float, min_members: int, config: FoFConfig, peak_density=None
+) -> Step:
+    """FoF as a pipeline :class:`~jaxpm_halos.core.pipeline.Step`: labels per particle and the
+    catalogue.
 
     ``plan`` is the decomposition's; when its ghost layer is wider than FoF needs (kNN's,
     in situ), FoF rebuilds ghosts of its own width from the migrated particles: the wider
@@ -231,22 +249,31 @@ def fof_step(plan: Plan, linking_length: float, min_members: int, config: FoFCon
             density, density_status = peak_density(decomposition)
         if plan.width > own.width * (1 + 1e-6):
             decomposition, ghost_status = own.reghost(decomposition, "fof ghosts")
-        labels, catalogue = fof_on_decomposition(own, decomposition, linking_length,
-                                                 min_members, config, density)
+        labels, catalogue = fof_on_decomposition(
+            own, decomposition, linking_length, min_members, config, density
+        )
         if density_status is not None:
-            catalogue = dataclasses.replace(catalogue,
-                                            status=density_status.merge(catalogue.status))
+            catalogue = dataclasses.replace(
+                catalogue, status=density_status.merge(catalogue.status)
+            )
         if ghost_status is not None:
-            catalogue = dataclasses.replace(catalogue,
-                                            status=ghost_status.merge(catalogue.status))
-        return {"labels": labels, "catalogue": dataclasses.replace(catalogue,
-                                                                   num=catalogue.num[None])}
+            catalogue = dataclasses.replace(catalogue, status=ghost_status.merge(catalogue.status))
+        return {
+            "labels": labels,
+            "catalogue": dataclasses.replace(catalogue, num=catalogue.num[None]),
+        }
 
     return Step(run, {"labels": "particle", "catalogue": "device"})
 
 
-def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_length: float,
-                         min_members: int, config: FoFConfig, density=None):
+def fof_on_decomposition(
+    plan: Plan,
+    decomposition: Decomposition,
+    linking_length: float,
+    min_members: int,
+    config: FoFConfig,
+    density=None,
+):
     """FoF labels of the owned rows and this device's catalogue, from a decomposition whose
     ghost layer is ``plan.width`` (:func:`ghost_width` of the linking length) wide. With a
     per-owned-row ``density``, the catalogue holds each group's density peak.
@@ -258,23 +285,49 @@ def fof_on_decomposition(plan: Plan, decomposition: Decomposition, linking_lengt
     capacity = ext.owned
     halo_rows = config.halo_rows(plan.n0)
     component, segments, need_images = local_components(
-        ext, pencils, linking_length, plan.width, plan.image_rows, config.chunk_size)
+        ext, pencils, linking_length, plan.width, plan.image_rows, config.chunk_size
+    )
     labels, _ = merge_labels(ext, decomposition.ghosts, pencils, component, segments)
     is_ghost = ext.valid & (jnp.arange(ext.pos.shape[0]) >= capacity)
-    group, has_ghost = _group_by_label(labels, component, segments, is_ghost,
-                                       ext.pos.shape[0] - capacity)
+    group, has_ghost = _group_by_label(
+        labels, component, segments, is_ghost, ext.pos.shape[0] - capacity
+    )
     payload = migrated.payload
     cat, num, need_halos, repeated = catalogue_rows(
-        pencils, pos=payload["pos"], vel=payload.get("vel"), mass=payload["mass"],
-        ids=payload["id"], owned=migrated.valid, group=group[:capacity],
-        segments=segments, labels=labels[:capacity], has_ghost=has_ghost,
-        min_members=min_members, halo_rows=halo_rows, density=density)
+        pencils,
+        pos=payload["pos"],
+        vel=payload.get("vel"),
+        mass=payload["mass"],
+        ids=payload["id"],
+        owned=migrated.valid,
+        group=group[:capacity],
+        segments=segments,
+        labels=labels[:capacity],
+        has_ghost=has_ghost,
+        min_members=min_members,
+        halo_rows=halo_rows,
+        density=density,
+    )
     status = plan.status({"z images": need_images}, {"z images": IMAGES}).merge(
-        Status(pmax_all(pencils, {"halos": need_halos}), jnp.int32(0),
-               (("halos", Limit(MAX_HALOS, halo_rows)),),
-               repeated_ids=psum_all(pencils, repeated)))
-    catalogue = Catalogue(id=cat["id"], count=cat["count"], mass=cat["mass"], pos=cat["pos"],
-                          vel=cat.get("vel"), vel_disp=cat.get("vel_disp"), radius=cat["radius"],
-                          percolates=cat["percolates"], num=num, status=status,
-                          peak=cat.get("peak"), centre="com" if density is None else "peak")
+        Status(
+            pmax_all(pencils, {"halos": need_halos}),
+            jnp.int32(0),
+            (("halos", Limit(MAX_HALOS, halo_rows)),),
+            repeated_ids=psum_all(pencils, repeated),
+        )
+    )
+    catalogue = Catalogue(
+        id=cat["id"],
+        count=cat["count"],
+        mass=cat["mass"],
+        pos=cat["pos"],
+        vel=cat.get("vel"),
+        vel_disp=cat.get("vel_disp"),
+        radius=cat["radius"],
+        percolates=cat["percolates"],
+        num=num,
+        status=status,
+        peak=cat.get("peak"),
+        centre="com" if density is None else "peak",
+    )
     return labels[:capacity], catalogue

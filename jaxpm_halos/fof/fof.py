@@ -3,8 +3,8 @@ masses when asked, from one decomposition; and the public :func:`fof`.
 
 The catalogue's extras run on the decomposition FoF shares with them:
 
-* ``centre="peak"``: the kNN density of every particle (:mod:`jaxpm_halos.knn._search`), from which the
-  catalogue picks each group's densest member (ties to the smallest id);
+* ``centre="peak"``: the kNN density of every particle (:mod:`jaxpm_halos.knn._search`), from which
+  the catalogue picks each group's densest member (ties to the smallest id);
 * ``so=...``: SO masses and radii (:mod:`jaxpm_halos.so.so`) about each halo's centre (the peak, or
   the centre of mass), over all particles, on the decomposition's ghost layer, which is
   as wide as the largest SO radius searched.
@@ -13,29 +13,38 @@ The catalogue's extras run on the decomposition FoF shares with them:
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from .. import units
 from ..core.catalogue import CATALOGUE_FIELDS
 from ..core.config import MAX_HALOS, DomainConfig, FoFConfig, KNNConfig
 from ..core.domain import Decomposition, psum_all
+from ..core.frontend import (
+    Problem,
+    local_fields,
+    local_valid,
+    particle_fields,
+    particles_of,
+    prepare,
+    program_cache,
+    row_masses,
+    trim_padding,
+)
 from ..core.ghosts import ghost_width
-from ._kernel import check_linking_length, fof_step
-from ..core.frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
-                             prepare, program_cache, row_masses, trim_padding)
-from ..knn._search import ghost_width as knn_width
-from ..knn.knn import check_k, knn_density_on_plan
 from ..core.layout import Pencils
 from ..core.particles import Particles, _check_integer
 from ..core.pipeline import JitProgram, Plan, Step, analyse, on_device, plan_for, run_sharded
 from ..core.retry import run_growing
+from ..core.status import Limit, is_traced, spell_config
+from ..knn._search import ghost_width as knn_width
+from ..knn.knn import check_k, knn_density_on_plan
 from ..so._search import search_width, so_on_decomposition
 from ..so.so import check_densities, resolve_radius
-from ..core.status import Limit, is_traced, spell_config
-from .. import units
+from ._kernel import check_linking_length, fof_step
 
 CENTRES = ("com", "peak")
 
@@ -73,8 +82,9 @@ def peak_density(plan: Plan, k: int, total: int, config: KNNConfig, equal_masses
     knn_plan = plan.with_width(knn_width(k, total, plan.pencils, config))
 
     def density(decomposition: Decomposition):
-        return peak_densities(*knn_density_on_plan(knn_plan, decomposition, k, config,
-                                                   equal_masses))
+        return peak_densities(
+            *knn_density_on_plan(knn_plan, decomposition, k, config, equal_masses)
+        )
 
     return density
 
@@ -85,8 +95,14 @@ def peak_densities(density, knn_status):
     return density, knn_status.renamed("peak ")
 
 
-def with_so(plan: Plan, decomposition: Decomposition, catalogue, extras: Extras, densities,
-            config: FoFConfig):
+def with_so(
+    plan: Plan,
+    decomposition: Decomposition,
+    catalogue,
+    extras: Extras,
+    densities,
+    config: FoFConfig,
+):
     """``catalogue`` (this device's rows) with SO masses and radii about its centres.
 
     Every device's centres are gathered (a psum of disjoint blocks), each is searched by
@@ -96,36 +112,56 @@ def with_so(plan: Plan, decomposition: Decomposition, catalogue, extras: Extras,
     rows = catalogue.id.shape[0]
     centre = catalogue.peak if extras.centre == "peak" else catalogue.pos
     mine = pencils.device_index()
-    block = lambda a: psum_all(pencils, jnp.zeros((pencils.num_devices,) + a.shape, a.dtype)
-                               .at[mine].set(a)).reshape((-1,) + a.shape[1:])
+    block = lambda a: psum_all(
+        pencils, jnp.zeros((pencils.num_devices,) + a.shape, a.dtype).at[mine].set(a)
+    ).reshape((-1,) + a.shape[1:])
     centres, valid = block(centre), block((catalogue.id >= 0).astype(jnp.int32)) > 0
     limit = Limit(MAX_HALOS, config.halo_rows(plan.n0))
-    mass, radius, status = so_on_decomposition(plan, decomposition, centres, valid, densities,
-                                               config.so, extras.so_radius, centre_limit=limit)
+    mass, radius, status = so_on_decomposition(
+        plan,
+        decomposition,
+        centres,
+        valid,
+        densities,
+        config.so,
+        extras.so_radius,
+        centre_limit=limit,
+    )
     own = lambda a: jax.lax.dynamic_slice_in_dim(a, mine * rows, rows)
     so = {}
     for d, name in enumerate(extras.so):
         so["m" + name], so["r" + name] = own(mass[:, d]), own(radius[:, d])
-    return dataclasses.replace(catalogue, so=so, centre=extras.centre,
-                               status=catalogue.status.merge(status))
+    return dataclasses.replace(
+        catalogue, so=so, centre=extras.centre, status=catalogue.status.merge(status)
+    )
 
 
-def halo_step(plan: Plan, linking_length: float, min_members: int, config: FoFConfig,
-              extras: Extras, densities=None, density=None, total: int = 0,
-              equal_masses: bool = False) -> Step:
+def halo_step(
+    plan: Plan,
+    linking_length: float,
+    min_members: int,
+    config: FoFConfig,
+    extras: Extras,
+    densities=None,
+    density=None,
+    total: int = 0,
+    equal_masses: bool = False,
+) -> Step:
     """FoF with the catalogue's extras as one pipeline step. ``density(decomposition) ->
     (density, status)`` supplies the peak's densities (default: :func:`peak_density` with
     ``config.knn`` and ``total`` particles); ``densities`` (D,) the SO thresholds."""
     if extras.centre == "peak" and density is None:
         density = peak_density(plan, extras.k, total, config.knn, equal_masses)
-    fof = fof_step(plan, linking_length, min_members, config,
-                   density if extras.centre == "peak" else None)
+    fof = fof_step(
+        plan, linking_length, min_members, config, density if extras.centre == "peak" else None
+    )
 
     def run(decomposition: Decomposition):
         out = fof.run(decomposition)
         if extras.so:
-            out["catalogue"] = with_so(plan, decomposition, out["catalogue"], extras, densities,
-                                       config)
+            out["catalogue"] = with_so(
+                plan, decomposition, out["catalogue"], extras, densities, config
+            )
         return out
 
     return Step(run, fof.outputs)
@@ -142,8 +178,10 @@ def so_request(so, omega_m=None, a=1.0):
         return names, [so[n] for n in so]
     names = _so_names((so,) if isinstance(so, str) else tuple(so))
     if omega_m is None:
-        raise ValueError(f"so={names!r} needs omega_m= (and a=) for the thresholds "
-                         "(jaxpm_halos.units.so_density); or pass so={name: density}")
+        raise ValueError(
+            f"so={names!r} needs omega_m= (and a=) for the thresholds "
+            "(jaxpm_halos.units.so_density); or pass so={name: density}"
+        )
     return names, [units.so_density(n, omega_m=omega_m, a=a) for n in names]
 
 
@@ -155,13 +193,17 @@ def _so_names(names: tuple) -> tuple:
         if not name:
             raise ValueError("an SO name must not be empty (its fields are m<name>, r<name>)")
         if "/" in name:  # HDF5 would write the fields as nested groups
-            raise ValueError(f"so name {name!r} holds '/', which separates groups in the "
-                             "catalogue files: pick another name, e.g. "
-                             f"{name.replace('/', '_')!r}")
+            raise ValueError(
+                f"so name {name!r} holds '/', which separates groups in the "
+                "catalogue files: pick another name, e.g. "
+                f"{name.replace('/', '_')!r}"
+            )
         clash = {"m" + name, "r" + name} & set(CATALOGUE_FIELDS)
         if clash:
-            raise ValueError(f"so name {name!r} gives the fields m{name}, r{name}, which would "
-                             f"replace the catalogue's {sorted(clash)}: pick another name")
+            raise ValueError(
+                f"so name {name!r} gives the fields m{name}, r{name}, which would "
+                f"replace the catalogue's {sorted(clash)}: pick another name"
+            )
     return names
 
 
@@ -182,7 +224,7 @@ def _check_definition_units(names, densities, problem: Problem, args) -> None:
         total_mass = problem.static_mass * problem.total
     else:  # per-row masses, the last input (padding rows hold 0)
         total_mass = float(jnp.sum(args[-1]))
-    mean = total_mass / problem.box_size ** 3
+    mean = total_mass / problem.box_size**3
     if not mean > 0:
         return
     for name, density in zip(names, densities):
@@ -193,7 +235,8 @@ def _check_definition_units(names, densities, problem: Problem, args) -> None:
                 "(total mass / box_size**3), so every halo would get M = R = 0. Named "
                 "definitions are in Msun/h per (Mpc/h)^3: pass mass= in Msun/h "
                 "(units.particle_mass(omega_m, box_size, nc) for a JaxPM run) with positions "
-                "in Mpc/h, or so={name: density} in your units.")
+                "in Mpc/h, or so={name: density} in your units."
+            )
 
 
 def _refuse_nested_domains(config: FoFConfig) -> None:
@@ -203,9 +246,11 @@ def _refuse_nested_domains(config: FoFConfig) -> None:
     for name in ("so", "knn"):
         inner = getattr(config, name).domain
         if inner != DomainConfig():
-            raise ValueError(f"fof sizes its one decomposition with config.domain; pass "
-                             f"config=FoFConfig(domain={spell_config(inner)}, ...) instead of "
-                             f"{name}=...(domain=...)")
+            raise ValueError(
+                f"fof sizes its one decomposition with config.domain; pass "
+                f"config=FoFConfig(domain={spell_config(inner)}, ...) instead of "
+                f"{name}=...(domain=...)"
+            )
 
 
 def check_centre(centre: str) -> str:
@@ -216,8 +261,10 @@ def check_centre(centre: str) -> str:
 
 def _linking_length(problem: Problem, linking_length, b) -> float:
     if (linking_length is None) == (b is None):
-        raise ValueError("give exactly one of linking_length (a length) or b (in units of the "
-                         "mean particle separation)")
+        raise ValueError(
+            "give exactly one of linking_length (a length) or b (in units of the "
+            "mean particle separation)"
+        )
     l = float(linking_length) if b is None else float(b) * problem.mean_separation
     if not l > 0 or l != l:
         raise ValueError(f"the linking length must be positive, got {l}")
@@ -226,8 +273,14 @@ def _linking_length(problem: Problem, linking_length, b) -> float:
 
 
 @program_cache(32)
-def _fof_program(problem: Problem, in_specs, linking_length: float, min_members: int,
-                 config: FoFConfig, extras: Extras):
+def _fof_program(
+    problem: Problem,
+    in_specs,
+    linking_length: float,
+    min_members: int,
+    config: FoFConfig,
+    extras: Extras,
+):
     layout = problem.layout
     width = extras.width(linking_length, problem.total, problem.pencils, config.knn)
     plan = plan_for(problem, config.domain, width)
@@ -238,9 +291,18 @@ def _fof_program(problem: Problem, in_specs, linking_length: float, min_members:
         densities = None
         if extras.so:
             *blocks, densities = blocks
-        steps = {"fof": halo_step(plan, linking_length, min_members, config, extras,
-                                  densities, total=problem.total,
-                                  equal_masses=problem.mass_kind != "rows")}
+        steps = {
+            "fof": halo_step(
+                plan,
+                linking_length,
+                min_members,
+                config,
+                extras,
+                densities,
+                total=problem.total,
+                equal_masses=problem.mass_kind != "rows",
+            )
+        }
         fields, shape = local_fields(problem, *blocks)
         fields["mass"] = row_masses(problem, fields)
         valid = local_valid(problem, fields["pos"].shape[0])
@@ -253,9 +315,24 @@ def _fof_program(problem: Problem, in_specs, linking_length: float, min_members:
     return JitProgram(run)
 
 
-def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
-        min_members: int = 20, so=None, omega_m=None, a=1.0, centre: str = "com",
-        k: int = 16, mesh=None, config: FoFConfig = FoFConfig(), grow: bool = True):
+def fof(
+    pos,
+    box_size=None,
+    linking_length=None,
+    *,
+    b=None,
+    vel=None,
+    mass=None,
+    min_members: int = 20,
+    so=None,
+    omega_m=None,
+    a=1.0,
+    centre: str = "com",
+    k: int = 16,
+    mesh=None,
+    config: FoFConfig = FoFConfig(),
+    grow: bool = True,
+):
     """Friends-of-friends groups and their catalogue, distributed over the input's mesh.
 
     Args:
@@ -342,22 +419,33 @@ def fof(pos, box_size=None, linking_length=None, *, b=None, vel=None, mass=None,
         args = args + (thresholds.astype(args[0].dtype),)
 
     def run(cfg):
-        extras = Extras(names, centre, int(k),
-                        resolve_radius(cfg.so, problem.mean_separation, problem.pencils)
-                        if names else 0.0)
+        extras = Extras(
+            names,
+            centre,
+            int(k),
+            resolve_radius(cfg.so, problem.mean_separation, problem.pencils) if names else 0.0,
+        )
         return _fof_program(problem, in_specs, l, min_members, cfg, extras)(*args)
 
     if is_traced(args):
         labels, catalogue = run(config)
     else:
-        (labels, catalogue), _ = run_growing(run, config, lambda out: out[1].status.failure(),
-                                                  grow=grow)
+        (labels, catalogue), _ = run_growing(
+            run, config, lambda out: out[1].status.failure(), grow=grow
+        )
     return trim_padding(problem, labels), catalogue
 
 
-def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
-              min_members: int = 20, config: FoFConfig = FoFConfig(), n0: int | None = None,
-              independent_axes=()):
+def fof_local(
+    particles: Particles,
+    linking_length: float,
+    *,
+    axes=(None, None),
+    min_members: int = 20,
+    config: FoFConfig = FoFConfig(),
+    n0: int | None = None,
+    independent_axes=(),
+):
     """FoF on one device's particles, for use inside the caller's own ``shard_map``.
 
     Args:
@@ -385,9 +473,11 @@ def fof_local(particles: Particles, linking_length: float, *, axes=(None, None),
     check_linking_length(l, pencils)
     plan = Plan(pencils, config.domain, n0, ghost_width(l, particles.box_size))
     decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
-    outputs, _ = analyse(decomposition, domain,
-                         {"fof": fof_step(plan, l, min_members, config)})
+    outputs, _ = analyse(decomposition, domain, {"fof": fof_step(plan, l, min_members, config)})
     catalogue = outputs["fof"]["catalogue"]
     migrated = decomposition.migrated
-    return (particles_of(migrated, particles.box_size), outputs["fof"]["labels"],
-            dataclasses.replace(catalogue, num=catalogue.num[0]))
+    return (
+        particles_of(migrated, particles.box_size),
+        outputs["fof"]["labels"],
+        dataclasses.replace(catalogue, num=catalogue.num[0]),
+    )

@@ -9,5 +9,12 @@ from .insitu import InSitu
 from .jaxpm import from_jaxpm
 from .registry import REGISTRY, Snapshot, register
 
-__all__ = ["REGISTRY", "InSitu", "Snapshot", "check", "correct_jaxpm_adjoints", "from_jaxpm",
-           "register"]
+__all__ = [
+    "REGISTRY",
+    "InSitu",
+    "Snapshot",
+    "check",
+    "correct_jaxpm_adjoints",
+    "from_jaxpm",
+    "register",
+]

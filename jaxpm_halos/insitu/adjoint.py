@@ -40,7 +40,8 @@ import importlib.metadata
 import threading
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 #: The only jaxdecomp version whose halo primitive this module was checked against.
 TESTED_JAXDECOMP = "0.2.9"
@@ -92,15 +93,18 @@ def _jaxdecomp_halo_module():
     try:
         found = importlib.metadata.version("jaxdecomp")
     except importlib.metadata.PackageNotFoundError as err:
-        raise RuntimeError(f"correct_jaxpm_adjoints needs jaxdecomp {TESTED_JAXDECOMP} "
-                           "(JaxPM's halo exchange); it is not installed") from err
+        raise RuntimeError(
+            f"correct_jaxpm_adjoints needs jaxdecomp {TESTED_JAXDECOMP} "
+            "(JaxPM's halo exchange); it is not installed"
+        ) from err
     if found != TESTED_JAXDECOMP:
         raise RuntimeError(
             f"correct_jaxpm_adjoints patches the private halo-exchange primitive of jaxdecomp "
             f"{TESTED_JAXDECOMP}, and jaxdecomp {found} is installed. Its halo primitive may "
             "differ (or be fixed): the patch is refused rather than risk a wrong gradient. "
             f"Install jaxdecomp=={TESTED_JAXDECOMP}, or check reverse mode against forward "
-            "mode on your version (tests/test_adjoint.py does).")
+            "mode on your version (tests/test_adjoint.py does)."
+        )
     from jaxdecomp._src.jax import halo
 
     if not hasattr(halo, "spmd_halo_primitive") or not hasattr(halo, "per_shard_impl"):
@@ -135,9 +139,13 @@ def _adjoint_per_shard(ct, *, per_shard_impl, halo_extents, halo_periods, x_axis
     ``ct``: this device's padded block cotangent ``(bx, by, nz)`` or ``(b, bx, by, nz)``,
     inside the per-device program (axis names bound). Returns the same shape.
     """
-    exchange = functools.partial(per_shard_impl, halo_extents=halo_extents,
-                                 halo_periods=halo_periods, x_axis_name=x_axis,
-                                 y_axis_name=y_axis)
+    exchange = functools.partial(
+        per_shard_impl,
+        halo_extents=halo_extents,
+        halo_periods=halo_periods,
+        x_axis_name=x_axis,
+        y_axis_name=y_axis,
+    )
     # ppermute transposes to the inverse permutation and .at[].set to "zero the overwritten
     # cells, send their cotangent to the source": exactly the adjoint described above.
     (out,) = jax.linear_transpose(exchange, jax.ShapeDtypeStruct(ct.shape, ct.dtype))(ct)
@@ -165,18 +173,24 @@ def _partitioned_adjoint(per_shard_impl):
         # arrived in: XLA reshards it if propagation chose another.
         sharding = _block_sharding(mesh, len(arg_infos[0].shape))
         x_axis, y_axis = _spatial_axes(mesh)
-        impl = functools.partial(_adjoint_per_shard, per_shard_impl=per_shard_impl,
-                                 halo_extents=halo_extents, halo_periods=halo_periods,
-                                 x_axis=x_axis, y_axis=y_axis)
+        impl = functools.partial(
+            _adjoint_per_shard,
+            per_shard_impl=per_shard_impl,
+            halo_extents=halo_extents,
+            halo_periods=halo_periods,
+            x_axis=x_axis,
+            y_axis=y_axis,
+        )
         return mesh, impl, sharding, (sharding,)
 
     def sharding_rule(halo_extents, halo_periods, mesh, arg_infos, result_info):
         # Shardy: elementwise in layout (each device keeps its block).
-        dims = " ".join("bijk"[4 - len(arg_infos[0].shape):])
+        dims = " ".join("bijk"[4 - len(arg_infos[0].shape) :])
         return f"{dims} -> {dims}"
 
-    adjoint.def_partition(partition, infer_sharding_from_operands=infer_sharding,
-                          sharding_rule=sharding_rule)
+    adjoint.def_partition(
+        partition, infer_sharding_from_operands=infer_sharding, sharding_rule=sharding_rule
+    )
     return adjoint
 
 
@@ -199,9 +213,13 @@ def _make_adjoint_primitive(halo):
     dispatch.prim_requires_devices_during_lowering.add(prim)
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(lambda ct, **params: ct)
-    mlir.register_lowering(prim, mlir.lower_fun(
-        lambda ct, *, halo_extents, halo_periods: partitioned(ct, halo_extents, halo_periods),
-        multiple_results=False))
+    mlir.register_lowering(
+        prim,
+        mlir.lower_fun(
+            lambda ct, *, halo_extents, halo_periods: partitioned(ct, halo_extents, halo_periods),
+            multiple_results=False,
+        ),
+    )
 
     def batch(args, dims, **params):
         # The per-device exchange handles one leading batch axis, like the forward's rule.

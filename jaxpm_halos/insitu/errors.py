@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 import jax
 
 from ..core.config import DomainConfig, FoFConfig, KNNConfig, SOConfig
@@ -16,7 +15,7 @@ if TYPE_CHECKING:  # annotations only: insitu.py imports this module
     from .insitu import InSitu
 
 
-def check(outputs, insitu: "InSitu | None" = None) -> None:
+def check(outputs, insitu: InSitu | None = None) -> None:
     """Host-side: raise if any buffer of an in-situ run overflowed, at any snapshot.
 
     The error spells the setting as the ``InSitu`` argument holding the knob: the shared
@@ -44,15 +43,18 @@ def first_failure(outputs):
     its config class that the other analyses' failures grow (``Failure.also``): each status
     sees the shared decomposition through its own buffers, so one suggestion holds them all
     and a pasted fix does not meet the next of them one rerun later."""
-    failures = [status.failure() for status in jax.tree.leaves(
-        outputs, is_leaf=is_status) if is_status(status)]
+    failures = [
+        status.failure()
+        for status in jax.tree.leaves(outputs, is_leaf=is_status)
+        if is_status(status)
+    ]
     failures = [f for f in failures if f is not None]
     if not failures or failures[0].kind is not FailureKind.OVERFLOW:
         return failures[0] if failures else None
     return failures[0].joined(failures[1:])
 
 
-def insitu_error(failure, insitu: "InSitu | None") -> Exception:
+def insitu_error(failure, insitu: InSitu | None) -> Exception:
     if failure.limit is None:
         return failure.error()
     attr, config = insitu_config(failure, insitu)
@@ -65,7 +67,7 @@ def insitu_error(failure, insitu: "InSitu | None") -> Exception:
     return failure.error(config, f"InSitu({spelled})")
 
 
-def insitu_config(failure, insitu: "InSitu | None") -> tuple[str, object]:
+def insitu_config(failure, insitu: InSitu | None) -> tuple[str, object]:
     """``(attr, config)``: the ``InSitu`` field holding the overflowing knob of ``failure``
     and the config it ran with (the default one without ``insitu``)."""
     owner = failure.limit.knob.owner
@@ -76,9 +78,11 @@ def insitu_config(failure, insitu: "InSitu | None") -> tuple[str, object]:
 def changed_configs(insitu: InSitu) -> dict[str, str]:
     """``{attr: "attr=Config(...)"}`` for each config of ``insitu`` that differs from its
     default, in ``InSitu``'s order."""
-    return {attr: f"{attr}={spell_config(getattr(insitu, attr))}"
-            for attr in _CONFIG_FIELD.values()
-            if getattr(insitu, attr) != type(getattr(insitu, attr))()}
+    return {
+        attr: f"{attr}={spell_config(getattr(insitu, attr))}"
+        for attr in _CONFIG_FIELD.values()
+        if getattr(insitu, attr) != type(getattr(insitu, attr))()
+    }
 
 
 def spelling(insitu: InSitu) -> str:

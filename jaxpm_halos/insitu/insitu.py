@@ -7,7 +7,6 @@ and registry generation; buffers that overflow outside ``jit`` are grown and the
 rerun (:mod:`jaxpm_halos.core.retry`).
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -19,26 +18,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .. import units
 from ..core.config import DomainConfig, FoFConfig, KNNConfig
-from ..core.ghosts import widest_linking_length
-from ..fof._kernel import linking_length_misfit
-from ..fof.fof import check_centre, so_request
 from ..core.frontend import local_fields, particles_of, prepare, program_cache
 from ..core.geometry import grid_to_box
-from .jaxpm import check_state_positions, resolve_pm_nc
-from ..knn.knn import check_k
+from ..core.ghosts import widest_linking_length
 from ..core.layout import Pencils
 from ..core.particles import _check_integer, check_real, check_scale_factor
-from ..core.pipeline import (JitProgram, Step, on_device, plan_for, replication_status,
-                        run_sharded)
+from ..core.pipeline import JitProgram, Step, on_device, plan_for, replication_status, run_sharded
 from ..core.retry import run_growing
-from .saveloop import pin_to_save_loop, skip_no_step_save
 from ..core.status import is_traced, spell_config
-from .. import units
-
-
-from .errors import insitu_error, first_failure, spelling
+from ..fof._kernel import linking_length_misfit
+from ..fof.fof import check_centre, so_request
+from ..knn.knn import check_k
+from .errors import first_failure, insitu_error, spelling
+from .jaxpm import check_state_positions, resolve_pm_nc
 from .registry import Analysis, Snapshot, _generation, analysis
+from .saveloop import pin_to_save_loop, skip_no_step_save
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,45 +119,69 @@ class InSitu:
     nc: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "analyses", (self.analyses,) if isinstance(self.analyses, str)
-                           else tuple(self.analyses))
+        object.__setattr__(
+            self,
+            "analyses",
+            (self.analyses,) if isinstance(self.analyses, str) else tuple(self.analyses),
+        )
         for name in self.analyses:
             analysis(name)
         for name in ("box_size", "b") + (("omega_m",) if self.omega_m is not None else ()):
             object.__setattr__(self, name, _positive(name, getattr(self, name)))
-        object.__setattr__(self, "min_members",
-                           _check_integer("InSitu(min_members=...): min_members",
-                                          self.min_members, 1))
+        object.__setattr__(
+            self,
+            "min_members",
+            _check_integer("InSitu(min_members=...): min_members", self.min_members, 1),
+        )
         if "knn_density" in self.analyses or self.centre == "peak":
-            object.__setattr__(self, "k", check_k(
-                self.k, None if self.nc is None else self.nc ** 3, True, least=2,
-                context=f"InSitu(k={self.k!r}): ", particles="the state holds nc**3 = {total}"))
+            object.__setattr__(
+                self,
+                "k",
+                check_k(
+                    self.k,
+                    None if self.nc is None else self.nc**3,
+                    True,
+                    least=2,
+                    context=f"InSitu(k={self.k!r}): ",
+                    particles="the state holds nc**3 = {total}",
+                ),
+            )
         if self.nc is None:  # types only; pm_nc against nc once a state gives nc
             resolve_pm_nc(self.pm_nc or 1, self.pm_nc, self.paint_absolute_pos)
         else:
-            object.__setattr__(self, "pm_nc",
-                               resolve_pm_nc(self.nc, self.pm_nc, self.paint_absolute_pos))
+            object.__setattr__(
+                self, "pm_nc", resolve_pm_nc(self.nc, self.pm_nc, self.paint_absolute_pos)
+            )
         check_centre(self.centre)
-        object.__setattr__(self, "so", (self.so,) if isinstance(self.so, str)
-                           else tuple(self.so))
+        object.__setattr__(self, "so", (self.so,) if isinstance(self.so, str) else tuple(self.so))
         if self.so:
             if self.omega_m is None:
-                raise ValueError(f"InSitu(so={self.so!r}) needs omega_m= (the thresholds "
-                                 "and the particle mass depend on it)")
+                raise ValueError(
+                    f"InSitu(so={self.so!r}) needs omega_m= (the thresholds "
+                    "and the particle mass depend on it)"
+                )
             so_request(self.so, self.omega_m)  # names checked now, not in the solve
         if (self.so or self.centre != "com") and "fof" not in self.analyses:
-            raise ValueError("InSitu(so=..., centre=...) add to the FoF catalogue: include "
-                             "'fof' in analyses")
-        for attr, inner in (("fof", self.fof.domain), ("knn", self.knn.domain),
-                            ("fof", self.fof.so.domain)):
+            raise ValueError(
+                "InSitu(so=..., centre=...) add to the FoF catalogue: include 'fof' in analyses"
+            )
+        for attr, inner in (
+            ("fof", self.fof.domain),
+            ("knn", self.knn.domain),
+            ("fof", self.fof.so.domain),
+        ):
             if inner != DomainConfig():
                 # Silently ignoring it would undo a fix pasted from an older message.
-                raise ValueError(f"InSitu sizes its shared decomposition with its own "
-                                 f"domain=; pass domain={spell_config(inner)} instead of "
-                                 f"{attr}=...(domain=...)")
+                raise ValueError(
+                    f"InSitu sizes its shared decomposition with its own "
+                    f"domain=; pass domain={spell_config(inner)} instead of "
+                    f"{attr}=...(domain=...)"
+                )
         if self.fof.knn != KNNConfig():
-            raise ValueError(f"InSitu's density peaks use its knn= settings; pass "
-                             f"knn={spell_config(self.fof.knn)} instead of fof=...(knn=...)")
+            raise ValueError(
+                f"InSitu's density peaks use its knn= settings; pass "
+                f"knn={spell_config(self.fof.knn)} instead of fof=...(knn=...)"
+            )
 
     @property
     def linking_length(self) -> float:
@@ -202,13 +222,15 @@ class InSitu:
             raise ValueError(f"a must be one scale factor, got an array of shape {a.shape}")
         check_scale_factor(a)  # in the state's precision: 1e-50 is 0 in float32
         densities = _so_densities(bound, given, a, times)
-        run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype),
-                                       _generation[0])(y, a, densities)
+        run = lambda insitu: _compiled(insitu, problem, jnp.dtype(y.dtype), _generation[0])(
+            y, a, densities
+        )
         if is_traced(y, a, densities):
             out = run(bound)
         else:
-            out, _ = run_growing(run, bound, first_failure, grow=grow, error=insitu_error,
-                                 spell=spelling)
+            out, _ = run_growing(
+                run, bound, first_failure, grow=grow, error=insitu_error, spell=spelling
+            )
         if bound.save_state:
             out["state"] = y
         return out
@@ -227,34 +249,43 @@ class InSitu:
         import diffrax
 
         if is_traced(ts):
-            raise TypeError("InSitu.saveat needs concrete save times (numbers or a numpy "
-                            "array), not traced ones: they are checked, and the SO thresholds "
-                            "computed, on the host. Build the SaveAt outside jit (or from "
-                            "static times) and pass it into the jitted solve")
+            raise TypeError(
+                "InSitu.saveat needs concrete save times (numbers or a numpy "
+                "array), not traced ones: they are checked, and the SO thresholds "
+                "computed, on the host. Build the SaveAt outside jit (or from "
+                "static times) and pass it into the jitted solve"
+            )
         ts = np.asarray(ts)
         check_real(ts, "snapshot times")  # not text (numpy would parse it), bool or complex
         ts = ts.astype(float)
         if ts.ndim > 1:
-            raise ValueError(f"snapshot times must be one time or a 1-D sequence, got shape "
-                             f"{ts.shape}")
+            raise ValueError(
+                f"snapshot times must be one time or a 1-D sequence, got shape {ts.shape}"
+            )
         ts = ts.reshape(-1)
         if (t0 is None) != (t1 is None):
-            raise ValueError(f"pass both of the solve's t0 and t1 (to check the snapshot times "
-                             f"against them), or neither; got t0={t0}, t1={t1}")
+            raise ValueError(
+                f"pass both of the solve's t0 and t1 (to check the snapshot times "
+                f"against them), or neither; got t0={t0}, t1={t1}"
+            )
         known = t0 is not None
         lo, hi = (min(t0, t1), max(t0, t1)) if known else (-np.inf, np.inf)
         if ts.size == 0 or not np.all(np.isfinite(ts) & (ts >= lo) & (ts <= hi)):
-            raise ValueError(f"snapshot times {ts.tolist()} must be non-empty, finite and lie "
-                             f"in [{t0}, {t1}]")
+            raise ValueError(
+                f"snapshot times {ts.tolist()} must be non-empty, finite and lie in [{t0}, {t1}]"
+            )
         steps = np.diff(ts)
         backward = t1 < t0 if known else bool(np.any(steps < 0))
         if np.any(steps > 0 if backward else steps < 0):
             order = "decreasing" if backward else "increasing"
-            raise ValueError(f"snapshot times {ts.tolist()} must be sorted in the solve's "
-                             f"direction ({order if known else 'one direction'}); pass "
-                             f"{sorted(ts.tolist(), reverse=backward)}")
-        return diffrax.SaveAt(ts=jnp.asarray(ts),
-                              fn=skip_no_step_save(lambda t, y, args: self(y, t, times=ts)))
+            raise ValueError(
+                f"snapshot times {ts.tolist()} must be sorted in the solve's "
+                f"direction ({order if known else 'one direction'}); pass "
+                f"{sorted(ts.tolist(), reverse=backward)}"
+            )
+        return diffrax.SaveAt(
+            ts=jnp.asarray(ts), fn=skip_no_step_save(lambda t, y, args: self(y, t, times=ts))
+        )
 
 
 def _so_densities(insitu: InSitu, given, a, times):
@@ -283,17 +314,22 @@ def _so_densities(insitu: InSitu, given, a, times):
 def _positive(name: str, value) -> float:
     """``value`` (a concrete JAX or numpy scalar as a float: the config is hashed),
     refused unless a positive finite number."""
-    number = (not isinstance(value, jax.core.Tracer) and np.ndim(value) == 0
-              and np.asarray(value).dtype.kind in "iuf")  # not bool, str or complex
+    number = (
+        not isinstance(value, jax.core.Tracer)
+        and np.ndim(value) == 0
+        and np.asarray(value).dtype.kind in "iuf"
+    )  # not bool, str or complex
     if number and not isinstance(value, (int, float)):
         value = float(value)
     if not (number and value > 0 and math.isfinite(value)):
-        raise ValueError(f"InSitu({name}={value!r}): {name} must be positive and finite "
-                         "(a Python, numpy or concrete JAX scalar)")
+        raise ValueError(
+            f"InSitu({name}={value!r}): {name} must be positive and finite "
+            "(a Python, numpy or concrete JAX scalar)"
+        )
     return value
 
 
-def _check_linking_length(insitu: "InSitu", pencils: Pencils) -> None:
+def _check_linking_length(insitu: InSitu, pencils: Pencils) -> None:
     """FoF's ghost layer (the linking length ``b * box_size / nc``) must fit in a pencil,
     and the linking length must stay below a third of the box, as :func:`jaxpm_halos.fof`
     requires."""
@@ -302,21 +338,30 @@ def _check_linking_length(insitu: "InSitu", pencils: Pencils) -> None:
     b_pencil = math.floor(widest_linking_length(pencils) * nc / box * 1000) / 1000
     if misfit == "box":  # with a b that fits the pencils too
         fits = f"b < nc / 3 = {nc / 3:g}" if b_pencil >= nc / 3 else f"b <= {b_pencil}"
-        raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
-                         f"must be below a third of the box {box:g}: use {fits}")
+        raise ValueError(
+            f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
+            f"must be below a third of the box {box:g}: use {fits}"
+        )
     if misfit == "pencil":
-        raise ValueError(f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
-                         f"is wider than a pencil ({min(pencils.widths):g}) of the "
-                         f"({pencils.px}, {pencils.py}) mesh; use b <= {b_pencil} or fewer "
-                         "devices along that axis")
+        raise ValueError(
+            f"InSitu(b={insitu.b}): the linking length b * box_size / nc = {l:g} "
+            f"is wider than a pencil ({min(pencils.widths):g}) of the "
+            f"({pencils.px}, {pencils.py}) mesh; use b <= {b_pencil} or fewer "
+            "devices along that axis"
+        )
 
 
 def _state_array(y):
     """``y`` checked to be a JaxPM state ``(2, nc, nc, nc, 3)``, in float32 unless wider."""
-    if getattr(y, "ndim", None) != 5 or y.shape[0] != 2 or y.shape[-1] != 3 \
-            or not y.shape[1] == y.shape[2] == y.shape[3]:
-        raise ValueError(f"expected a JaxPM state of shape (2, nc, nc, nc, 3), got "
-                         f"{getattr(y, 'shape', None)}")
+    if (
+        getattr(y, "ndim", None) != 5
+        or y.shape[0] != 2
+        or y.shape[-1] != 3
+        or not y.shape[1] == y.shape[2] == y.shape[3]
+    ):
+        raise ValueError(
+            f"expected a JaxPM state of shape (2, nc, nc, nc, 3), got {getattr(y, 'shape', None)}"
+        )
     check_real(y, "the JaxPM state")  # a complex one would lose its imaginary part
     if jnp.issubdtype(y.dtype, jnp.floating) and jnp.finfo(y.dtype).bits >= 32:
         return y
@@ -333,11 +378,12 @@ def _state_layout(insitu: InSitu, y):
         if hasattr(sharding, "mesh") and sharding.mesh.size > 1:
             spec = tuple(sharding.spec) + (None,) * 5
             if spec[0] is not None or any(s is not None for s in spec[3:]):
-                raise ValueError(f"the state must be sharded over its grid's first two axes, "
-                                 f"like P(None, 'x', 'y'); got {sharding.spec}")
+                raise ValueError(
+                    f"the state must be sharded over its grid's first two axes, "
+                    f"like P(None, 'x', 'y'); got {sharding.spec}"
+                )
             mesh = sharding.mesh
-    problem, _, _ = prepare(jax.ShapeDtypeStruct(y.shape[1:], y.dtype), insitu.box_size,
-                            mesh=mesh)
+    problem, _, _ = prepare(jax.ShapeDtypeStruct(y.shape[1:], y.dtype), insitu.box_size, mesh=mesh)
     return problem
 
 
@@ -350,7 +396,8 @@ def _check_widths(widths: dict, pencils: Pencils) -> None:
                 f"in-situ analysis {name!r} asks for a ghost layer of {width:g} (Mpc/h, the "
                 f"box's unit), but it must lie in [0, {most:g}], the narrower pencil side of "
                 f"the ({pencils.px}, {pencils.py}) mesh in a box of {pencils.box_size:g}: "
-                f"register it with a smaller width=, or run on fewer devices along an axis")
+                f"register it with a smaller width=, or run on fewer devices along an axis"
+            )
 
 
 @program_cache(16)
@@ -382,23 +429,34 @@ def _compiled(insitu: InSitu, problem, dtype, generation: int):
 
         def step(an: Analysis) -> Step:
             def run(dec):
-                return an.run(Snapshot(particles_of(dec.migrated, box), dec, plan, a, insitu,
-                                       memo, so_densities))
+                return an.run(
+                    Snapshot(
+                        particles_of(dec.migrated, box), dec, plan, a, insitu, memo, so_densities
+                    )
+                )
+
             return Step(run, an.outputs)
 
         steps = {an.name: step(an) for an in selected}
         valid = jnp.ones(fields["pos"].shape[0], bool)
         outputs, kinds = on_device(plan, fields, valid, block, steps)
         # Same leaves as before (an empty flag array becomes one per checked output).
-        outputs["domain"] = outputs["domain"].merge(replication_status(
-            pencils, {an.name: outputs[an.name] for an in selected},
-            {an.name: an.outputs for an in selected}))
+        outputs["domain"] = outputs["domain"].merge(
+            replication_status(
+                pencils,
+                {an.name: outputs[an.name] for an in selected},
+                {an.name: an.outputs for an in selected},
+            )
+        )
         return {"a": a, **outputs}, {"a": "replicated", **kinds}
 
     state_spec = P(None, *layout.spec, None)
     # pin_to_save_loop: see _saveloop (one save time ran the analyses at every step).
-    return JitProgram(lambda y, a, so_densities: run_sharded(
-        layout, device, (pin_to_save_loop(y), a, so_densities), (state_spec, P(), P())))
+    return JitProgram(
+        lambda y, a, so_densities: run_sharded(
+            layout, device, (pin_to_save_loop(y), a, so_densities), (state_spec, P(), P())
+        )
+    )
 
 
 def _grid_positions(disp, pencils: Pencils, nc: int):

@@ -26,14 +26,22 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..core.geometry import grid_to_box
 from ..core.particles import Particles, _check_box_size, check_row_count
 
 
-def from_jaxpm(state_or_disp, mom=None, box_size=None, *, mass=1.0,
-               paint_absolute_pos: bool = False, pm_nc: int | None = None) -> Particles:
+def from_jaxpm(
+    state_or_disp,
+    mom=None,
+    box_size=None,
+    *,
+    mass=1.0,
+    paint_absolute_pos: bool = False,
+    pm_nc: int | None = None,
+) -> Particles:
     """Particles of a JaxPM lattice run, keeping its ``(nc, nc, nc)`` layout and sharding.
 
     Args:
@@ -84,18 +92,24 @@ def from_jaxpm(state_or_disp, mom=None, box_size=None, *, mass=1.0,
     shape = tuple(state_or_disp.shape)
     if len(shape) == 5:
         if shape[0] != 2:
-            raise ValueError(f"a stacked JaxPM state must have shape (2, nc, nc, nc, 3), got {shape}")
+            raise ValueError(
+                f"a stacked JaxPM state must have shape (2, nc, nc, nc, 3), got {shape}"
+            )
         if mom is not None:
-            raise ValueError("mom must not be given with a stacked (2, nc, nc, nc, 3) state, "
-                             "which already holds the momentum in y[1]")
+            raise ValueError(
+                "mom must not be given with a stacked (2, nc, nc, nc, 3) state, "
+                "which already holds the momentum in y[1]"
+            )
         stacked = True
         disp = jax.ShapeDtypeStruct(shape[1:], state_or_disp.dtype)
     elif len(shape) == 4:
         stacked = False
         disp = state_or_disp
     else:
-        raise ValueError("expected a displacement grid (nc, nc, nc, 3) or a stacked JaxPM "
-                         f"state (2, nc, nc, nc, 3), got shape {shape}")
+        raise ValueError(
+            "expected a displacement grid (nc, nc, nc, 3) or a stacked JaxPM "
+            f"state (2, nc, nc, nc, 3), got shape {shape}"
+        )
     nc = disp.shape[0]
     if disp.shape != (nc, nc, nc, 3) or nc < 1:
         raise ValueError(f"the displacement grid must have shape (nc, nc, nc, 3), got {disp.shape}")
@@ -106,19 +120,31 @@ def from_jaxpm(state_or_disp, mom=None, box_size=None, *, mass=1.0,
         if not isinstance(mom, jax.Array):
             mom = jnp.asarray(mom)
         if tuple(mom.shape) != tuple(disp.shape):
-            raise ValueError(f"mom has shape {tuple(mom.shape)}, but the displacement grid "
-                             f"has shape {tuple(disp.shape)}")
-    if jnp.ndim(mass) not in (0, 3) or (jnp.ndim(mass) == 3 and tuple(jnp.shape(mass)) != (nc,) * 3):
-        raise ValueError(f"mass must be a scalar or have shape {(nc,) * 3}, got shape {jnp.shape(mass)}")
+            raise ValueError(
+                f"mom has shape {tuple(mom.shape)}, but the displacement grid "
+                f"has shape {tuple(disp.shape)}"
+            )
+    if jnp.ndim(mass) not in (0, 3) or (
+        jnp.ndim(mass) == 3 and tuple(jnp.shape(mass)) != (nc,) * 3
+    ):
+        raise ValueError(
+            f"mass must be a scalar or have shape {(nc,) * 3}, got shape {jnp.shape(mass)}"
+        )
 
     pm_nc = resolve_pm_nc(nc, pm_nc, paint_absolute_pos)
-    check_state_positions(state_or_disp[0] if stacked else state_or_disp, nc, pm_nc,
-                          paint_absolute_pos)
-    out = _converter(box_size, stacked, _grid_sharding(state_or_disp, stacked),
-                     pm_nc if paint_absolute_pos else None)(state_or_disp)
+    check_state_positions(
+        state_or_disp[0] if stacked else state_or_disp, nc, pm_nc, paint_absolute_pos
+    )
+    out = _converter(
+        box_size,
+        stacked,
+        _grid_sharding(state_or_disp, stacked),
+        pm_nc if paint_absolute_pos else None,
+    )(state_or_disp)
     pos, ids, vel = out if stacked else (*out, mom)
-    return Particles(pos=pos, id=ids, num=jnp.asarray(nc**3, jnp.int32), vel=vel, mass=mass,
-                     box_size=box_size)
+    return Particles(
+        pos=pos, id=ids, num=jnp.asarray(nc**3, jnp.int32), vel=vel, mass=mass, box_size=box_size
+    )
 
 
 def _grid_sharding(array, stacked):
@@ -142,7 +168,7 @@ def _grid_sharding(array, stacked):
     return NamedSharding(sharding.mesh, P(*spec))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _converter(box_size, stacked, sharding, absolute_pm_nc=None):
     """A jitted conversion; with ``sharding`` its outputs get exactly that layout.
     ``absolute_pm_nc``: the state holds absolute positions in cells of that PM grid."""
@@ -177,7 +203,6 @@ def _lattice_positions(disp, box_size):
     return pos, ids
 
 
-
 def _absolute_positions(x, box_size, pm_nc):
     """Wrapped positions from absolute PM-cell positions, and the lattice ids of the array
     indices; both follow ``x``'s sharding."""
@@ -200,10 +225,12 @@ def resolve_pm_nc(nc: int, pm_nc, paint_absolute_pos: bool) -> int:
     if isinstance(pm_nc, bool) or not isinstance(pm_nc, (int, np.integer)) or pm_nc < 1:
         raise ValueError(f"pm_nc must be a positive integer (PM cells per side), got {pm_nc!r}")
     if not paint_absolute_pos and pm_nc != nc:
-        raise ValueError(f"pm_nc = {pm_nc} differs from the lattice's nc = {nc}, but the state "
-                         "holds displacements in lattice cells (paint_absolute_pos=False); a "
-                         "PM mesh other than the lattice needs an absolute-position state: pass "
-                         "paint_absolute_pos=True")
+        raise ValueError(
+            f"pm_nc = {pm_nc} differs from the lattice's nc = {nc}, but the state "
+            "holds displacements in lattice cells (paint_absolute_pos=False); a "
+            "PM mesh other than the lattice needs an absolute-position state: pass "
+            "paint_absolute_pos=True"
+        )
     return int(pm_nc)
 
 
@@ -211,7 +238,8 @@ def check_state_positions(x, nc: int, pm_nc: int, paint_absolute_pos: bool) -> N
     """Raise ValueError when a concrete state's ``y[0]`` contradicts the declared mode.
 
     Traced states (inside ``jit``), multi-process states and states of fewer than 2
-    particles per side are not checked. The test uses the mean position per axis in units of the lattice spacing,
+    particles per side are not checked. The test uses the mean position per axis in units of
+    the lattice spacing,
     ``s = mean(y[0][..., i]) * nc / pm_nc / ((nc - 1) / 2)``. It is about 1 for absolute
     positions in ``pm_nc`` cells (lattice points ``q pm_nc / nc`` plus displacements whose
     mean is ~0), ``pm_nc' / pm_nc`` for positions in cells of another grid ``pm_nc'``, and
@@ -227,15 +255,22 @@ def check_state_positions(x, nc: int, pm_nc: int, paint_absolute_pos: bool) -> N
     mean = np.asarray(jnp.mean(jnp.asarray(x, jnp.float32).reshape(-1, 3), axis=0), np.float64)
     s = mean * (nc / pm_nc) / ((nc - 1) / 2)
     if paint_absolute_pos and np.all(np.abs(s - 1) > 0.3):
-        guess = ("displacements (paint_absolute_pos=False)" if np.all(np.abs(s) < 0.5) else
-                 f"absolute positions in cells of a grid of about {pm_nc * float(np.mean(s)):.3g} "
-                 "cells per side")
-        raise ValueError(f"the state was declared as absolute positions in cells of a {pm_nc}^3 "
-                         f"PM grid (mean position {mean.round(3).tolist()}, expected about "
-                         f"{pm_nc * (nc - 1) / (2 * nc):g} on each axis), but it looks like "
-                         f"{guess}. Check paint_absolute_pos and pm_nc")
+        guess = (
+            "displacements (paint_absolute_pos=False)"
+            if np.all(np.abs(s) < 0.5)
+            else f"absolute positions in cells of a grid of about {pm_nc * float(np.mean(s)):.3g} "
+            "cells per side"
+        )
+        raise ValueError(
+            f"the state was declared as absolute positions in cells of a {pm_nc}^3 "
+            f"PM grid (mean position {mean.round(3).tolist()}, expected about "
+            f"{pm_nc * (nc - 1) / (2 * nc):g} on each axis), but it looks like "
+            f"{guess}. Check paint_absolute_pos and pm_nc"
+        )
     if not paint_absolute_pos and np.all(s > 0.75):
-        raise ValueError(f"the state was declared as displacements in lattice cells "
-                         f"(paint_absolute_pos=False), but its mean {mean.round(3).tolist()} "
-                         f"is that of absolute positions (about {(nc - 1) / 2:g} cells on each "
-                         "axis for pm_nc = nc). Pass paint_absolute_pos=True (and pm_nc)")
+        raise ValueError(
+            f"the state was declared as displacements in lattice cells "
+            f"(paint_absolute_pos=False), but its mean {mean.round(3).tolist()} "
+            f"is that of absolute positions (about {(nc - 1) / 2:g} cells on each "
+            "axis for pm_nc = nc). Pass paint_absolute_pos=True (and pm_nc)"
+        )

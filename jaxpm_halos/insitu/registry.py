@@ -23,7 +23,8 @@ input's grid layout; ``"device"`` leaves are per-device arrays stacked along axi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +32,13 @@ import jax.numpy as jnp
 from ..core.catalogue import insitu_units
 from ..core.config import KNNConfig
 from ..core.domain import Decomposition
-from ..fof.fof import Extras, halo_step, peak_densities
-from ..knn._search import ghost_width as knn_ghost_width, overdensity
-from ..knn.knn import knn_density_on_plan, knn_on_decomposition
 from ..core.layout import Pencils
 from ..core.particles import Particles
-from ..core.pipeline import (KINDS, Plan)
+from ..core.pipeline import KINDS, Plan
+from ..fof.fof import Extras, halo_step, peak_densities
+from ..knn._search import ghost_width as knn_ghost_width
+from ..knn._search import overdensity
+from ..knn.knn import knn_density_on_plan, knn_on_decomposition
 from ..so.so import resolve_radius
 
 if TYPE_CHECKING:  # annotations only: insitu.py imports this module
@@ -66,7 +68,7 @@ class Snapshot:
     decomposition: Decomposition
     plan: Plan
     a: jax.Array
-    insitu: "InSitu"
+    insitu: InSitu
     memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     so_densities: jax.Array | None = None
 
@@ -83,8 +85,9 @@ class Snapshot:
         completed across devices, so any width is exact; register the analysis with a
         ``width`` near the k-th neighbour distance to keep that pass small. Returns
         ``(result, status)``."""
-        return knn_on_decomposition(self.pencils, self.decomposition, k, mass=mass,
-                                    config=config, n0=self.n0)
+        return knn_on_decomposition(
+            self.pencils, self.decomposition, k, mass=mass, config=config, n0=self.n0
+        )
 
     @property
     def pencils(self) -> Pencils:
@@ -118,7 +121,7 @@ class Analysis:
     name: str
     run: Callable[[Snapshot], Any]
     outputs: Any
-    width: Callable[["InSitu", Pencils], float]
+    width: Callable[[InSitu, Pencils], float]
 
 
 REGISTRY: dict[str, Analysis] = {}
@@ -142,17 +145,21 @@ def register(name: str, *, outputs: Any = "particle", width: Callable | float = 
     if not isinstance(name, str) or not name:
         raise ValueError(f"an analysis name must be a non-empty string, not {name!r}")
     if name in _RESERVED:
-        raise ValueError(f"{name!r} is a key of InSitu's result beside the analyses "
-                         f"({', '.join(_RESERVED)}): choose another analysis name")
+        raise ValueError(
+            f"{name!r} is a key of InSitu's result beside the analyses "
+            f"({', '.join(_RESERVED)}): choose another analysis name"
+        )
     builtin = REGISTRY.get(name)
     if builtin is not None and builtin.run.__module__ == __name__:
-        raise ValueError(f"{name!r} is a built-in analysis of jaxpm_halos: register yours "
-                         "under another name")
+        raise ValueError(
+            f"{name!r} is a built-in analysis of jaxpm_halos: register yours under another name"
+        )
 
     unknown = [k for k in jax.tree.leaves(outputs) if k not in KINDS]
     if unknown:
-        raise ValueError(f"analysis {name!r}: outputs= holds kinds {unknown}; each must be one "
-                         f"of {KINDS}")
+        raise ValueError(
+            f"analysis {name!r}: outputs= holds kinds {unknown}; each must be one of {KINDS}"
+        )
 
     def wrap(fn):
         width_fn = width if callable(width) else (lambda insitu, pencils, w=float(width): w)
@@ -167,23 +174,24 @@ def analysis(name: str) -> Analysis:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise ValueError(f"no in-situ analysis named {name!r}; registered: "
-                         f"{sorted(REGISTRY)}") from None
+        raise ValueError(
+            f"no in-situ analysis named {name!r}; registered: {sorted(REGISTRY)}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------
 # Built-in analyses
 
 
-def _extras(insitu: "InSitu", pencils: Pencils) -> Extras:
-    radius = resolve_radius(insitu.fof.so, insitu.box_size / insitu.nc, pencils) \
-        if insitu.so else 0.0
+def _extras(insitu: InSitu, pencils: Pencils) -> Extras:
+    radius = (
+        resolve_radius(insitu.fof.so, insitu.box_size / insitu.nc, pencils) if insitu.so else 0.0
+    )
     return Extras(insitu.so, insitu.centre, insitu.k, radius)
 
 
-def _fof_width(insitu: "InSitu", pencils: Pencils) -> float:
-    return _extras(insitu, pencils).width(insitu.linking_length, insitu.nc ** 3, pencils,
-                                          insitu.knn)
+def _fof_width(insitu: InSitu, pencils: Pencils) -> float:
+    return _extras(insitu, pencils).width(insitu.linking_length, insitu.nc**3, pencils, insitu.knn)
 
 
 @register("fof", outputs={"labels": "particle", "catalogue": "device"}, width=_fof_width)
@@ -197,17 +205,19 @@ def _fof_analysis(snap: Snapshot):
     density = None
     if extras.centre == "peak":
         density = lambda dec: peak_densities(*_knn_density(snap))
-    step = halo_step(snap.plan, insitu.linking_length, insitu.min_members, insitu.fof, extras,
-                     densities, density)
+    step = halo_step(
+        snap.plan, insitu.linking_length, insitu.min_members, insitu.fof, extras, densities, density
+    )
     out = step.run(snap.decomposition)
     # Written into catalogue files: only here are the units of every field known.
     out["catalogue"] = dataclasses.replace(
-        out["catalogue"], units=tuple(insitu_units(insitu.omega_m is not None, extras.so).items()))
+        out["catalogue"], units=tuple(insitu_units(insitu.omega_m is not None, extras.so).items())
+    )
     return out
 
 
-def _knn_width(insitu: "InSitu", pencils: Pencils) -> float:
-    return knn_ghost_width(insitu.k, insitu.nc ** 3, pencils, insitu.knn)
+def _knn_width(insitu: InSitu, pencils: Pencils) -> float:
+    return knn_ghost_width(insitu.k, insitu.nc**3, pencils, insitu.knn)
 
 
 def _knn_density(snap: Snapshot):
@@ -215,12 +225,15 @@ def _knn_density(snap: Snapshot):
     peaks (every particle has the same mass in situ: only the k-th neighbour is kept)."""
     insitu = snap.insitu
     plan = snap.plan.with_width(_knn_width(insitu, snap.pencils))
-    return snap.shared("knn", lambda: knn_density_on_plan(plan, snap.decomposition, insitu.k,
-                                                          insitu.knn, equal_masses=True))
+    return snap.shared(
+        "knn",
+        lambda: knn_density_on_plan(
+            plan, snap.decomposition, insitu.k, insitu.knn, equal_masses=True
+        ),
+    )
 
 
-@register("knn_density", outputs={"density": "particle", "status": "replicated"},
-          width=_knn_width)
+@register("knn_density", outputs={"density": "particle", "status": "replicated"}, width=_knn_width)
 def _knn_density_analysis(snap: Snapshot):
     """kNN density ``(k - 1) m / (4/3 pi r_k^3)`` per particle, in (Msun/h) / (Mpc/h)^3 when
     the :class:`InSitu` knows ``omega_m`` (else particles per (Mpc/h)^3), or the overdensity
@@ -229,6 +242,6 @@ def _knn_density_analysis(snap: Snapshot):
     insitu = snap.insitu
     rho, status = _knn_density(snap)
     if insitu.overdensity:
-        count = jnp.int32(insitu.nc ** 3)  # as the offline call counts them
+        count = jnp.int32(insitu.nc**3)  # as the offline call counts them
         rho = overdensity(rho, count * snap.particles.mass[0], insitu.box_size)
     return {"density": rho, "status": status}

@@ -86,6 +86,7 @@ def _holds_status(tree) -> bool:
 def _not_run(shapes):
     """Zeros shaped as ``shapes`` (``jax.eval_shape``'s), every :class:`Status` among them
     marked ``not_run``."""
+
     def mark(x):
         return dataclasses.replace(x, not_run=jnp.ones_like(x.not_run)) if is_status(x) else x
 

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -56,17 +57,42 @@ FORMAT, VERSION = "jaxpm_halos.catalogue", 1
 REQUIRED = ("id", "count", "mass", "pos", "radius")
 """Datasets every catalogue file holds (``vel`` and ``vel_disp`` are optional)."""
 
-RESERVED = ("format", "version", "box_size", "nc", "a", "redshift", "linking_length", "b",
-            "min_members", "num_halos", "cosmology", "units", "so_definitions", "so_centre")
+RESERVED = (
+    "format",
+    "version",
+    "box_size",
+    "nc",
+    "a",
+    "redshift",
+    "linking_length",
+    "b",
+    "min_members",
+    "num_halos",
+    "cosmology",
+    "units",
+    "so_definitions",
+    "so_centre",
+)
 """Root attributes written from :func:`write_catalogue`'s own arguments (and the two group
 names :func:`load_catalogue` puts among the attributes): not allowed in ``attrs``."""
 
 
-def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
-                    cosmology: Mapping[str, Any], linking_length: float, b: float,
-                    min_members: int, units: Mapping[str, str] | None = None,
-                    snapshot: int | None = None, attrs: Mapping[str, Any] | None = None,
-                    throw: bool = True):
+def write_catalogue(
+    path,
+    catalogue,
+    *,
+    box_size: float,
+    nc: int,
+    a: float,
+    cosmology: Mapping[str, Any],
+    linking_length: float,
+    b: float,
+    min_members: int,
+    units: Mapping[str, str] | None = None,
+    snapshot: int | None = None,
+    attrs: Mapping[str, Any] | None = None,
+    throw: bool = True,
+):
     """Write one snapshot's halo catalogue to an HDF5 file (from process 0 only).
 
     Args:
@@ -119,8 +145,10 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
         if not isinstance(name, str):
             raise ValueError(f"attrs: names must be strings, got {name!r}")
         if name in RESERVED:
-            raise ValueError(f"attrs: {name!r} is reserved for write_catalogue's own "
-                             f"attributes {RESERVED}; give it another name")
+            raise ValueError(
+                f"attrs: {name!r} is reserved for write_catalogue's own "
+                f"attributes {RESERVED}; give it another name"
+            )
         extra[name] = _attr(value, f"attrs[{name!r}]")
     if not isinstance(cosmology, Mapping):
         raise ValueError(f"cosmology must be a dict of parameters, got {cosmology!r}")
@@ -130,24 +158,27 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
     _check_written_rows(fields, root["min_members"])
     ids = np.asarray(fields["id"])
     if ids.ndim != 1 or np.any(ids[1:] <= ids[:-1]):
-        raise ValueError("write_catalogue: the catalogue's ids must be unique and sorted, one "
-                         "halo per row (as Catalogue.to_numpy() gives them): sort the rows by "
-                         "id and drop repeats")
+        raise ValueError(
+            "write_catalogue: the catalogue's ids must be unique and sorted, one "
+            "halo per row (as Catalogue.to_numpy() gives them): sort the rows by "
+            "id and drop repeats"
+        )
     so = _so_definitions(catalogue, fields)
     _check_unit_names(units, so, extra)
     units = _so_units(units, so)
     unknown = sorted(set(fields) - set(FIELDS) - {p + n for n in so for p in "mr"})
     if unknown:
-        raise ValueError(f"write_catalogue writes a catalogue's fields {FIELDS} and its SO "
-                         f"masses and radii (m<name>, r<name> pairs); {unknown} are neither, "
-                         "and load_catalogue would not read them back: write them apart")
+        raise ValueError(
+            f"write_catalogue writes a catalogue's fields {FIELDS} and its SO "
+            f"masses and radii (m<name>, r<name> pairs); {unknown} are neither, "
+            "and load_catalogue would not read them back: write them apart"
+        )
     if jax.process_index() != 0:
         return None
     root["num_halos"] = int(fields["id"].shape[0])
     if so:
         root["so_definitions"] = _attr(np.asarray(so))
-        root["so_centre"] = getattr(catalogue, "centre",
-                                    "peak" if "peak" in fields else "com")
+        root["so_centre"] = getattr(catalogue, "centre", "peak" if "peak" in fields else "com")
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"write_catalogue: {path!r} is a directory; give a file path")
@@ -167,8 +198,11 @@ def write_catalogue(path, catalogue, *, box_size: float, nc: int, a: float,
 
 def _so_definitions(catalogue, fields) -> list[str]:
     """The SO definitions of a catalogue (``"200c"`` for ``m200c`` and ``r200c``)."""
-    names = list(catalogue.so) if getattr(catalogue, "so", None) else \
-        [f for f in fields if f not in FIELDS]
+    names = (
+        list(catalogue.so)
+        if getattr(catalogue, "so", None)
+        else [f for f in fields if f not in FIELDS]
+    )
     return [n[1:] for n in names if n.startswith("m") and "r" + n[1:] in fields]
 
 
@@ -200,13 +234,17 @@ def _check_unit_names(units: dict, so, extra) -> None:
     field (``"Mass"``) would otherwise leave the real one without a unit, silently. SO
     datasets of standard definitions are names too: one units dict may serve several runs."""
     is_so = lambda key: key[:1] in ("m", "r") and (key[1:] in so or _is_standard_so(key[1:]))
-    unknown = sorted(key for key in units
-                     if key not in FIELDS and key not in RESERVED and key not in extra
-                     and not is_so(key))
+    unknown = sorted(
+        key
+        for key in units
+        if key not in FIELDS and key not in RESERVED and key not in extra and not is_so(key)
+    )
     if unknown:
-        raise ValueError(f"write_catalogue: units names {unknown}, which are neither catalogue "
-                         f"fields {FIELDS}, SO masses and radii (m<name>, r<name>), nor root "
-                         "attributes; check the spelling")
+        raise ValueError(
+            f"write_catalogue: units names {unknown}, which are neither catalogue "
+            f"fields {FIELDS}, SO masses and radii (m<name>, r<name>), nor root "
+            "attributes; check the spelling"
+        )
 
 
 def _so_definition(name: str, kind: str, centre: str) -> str:
@@ -214,11 +252,15 @@ def _so_definition(name: str, kind: str, centre: str) -> str:
     if _is_standard_so(name):
         threshold = f"threshold jaxpm_halos.units.so_density({name!r}) at the snapshot's a"
     else:
-        threshold = (f"threshold named {name!r} by the caller, a density not recorded here "
-                     "(store it with attrs=)")
+        threshold = (
+            f"threshold named {name!r} by the caller, a density not recorded here "
+            "(store it with attrs=)"
+        )
     about = "density peak" if centre == "peak" else "centre of mass"
-    return (f"spherical-overdensity {kind}, {threshold}, first downcrossing over all "
-            f"particles about the {about}")
+    return (
+        f"spherical-overdensity {kind}, {threshold}, first downcrossing over all "
+        f"particles about the {about}"
+    )
 
 
 def _units(catalogue, units) -> dict:
@@ -233,7 +275,8 @@ def _units(catalogue, units) -> dict:
                 "units={field: unit}, e.g. dict(jaxpm_halos.io.INSITU_UNITS) for positions "
                 "in Mpc/h, masses in Msun/h and velocities in km/s, with 'mass': "
                 "'particles' for unit masses (SO masses and radii take the units of "
-                "'mass' and 'pos' unless named)")
+                "'mass' and 'pos' unless named)"
+            )
     return {str(k): str(v) for k, v in dict(units).items()}
 
 
@@ -260,14 +303,18 @@ def _check_written_rows(fields: Mapping[str, Any], min_members: int) -> None:
     :data:`REQUIRED` missing) or that the ``min_members`` written with them contradicts."""
     missing = [name for name in REQUIRED if name not in fields]
     if missing:
-        raise ValueError(f"write_catalogue: the catalogue lacks {missing}, which "
-                         f"load_catalogue requires (fields {REQUIRED}); write a whole "
-                         "catalogue (Catalogue.to_numpy() gives every field)")
+        raise ValueError(
+            f"write_catalogue: the catalogue lacks {missing}, which "
+            f"load_catalogue requires (fields {REQUIRED}); write a whole "
+            "catalogue (Catalogue.to_numpy() gives every field)"
+        )
     count = np.asarray(fields["count"])
     if count.size and int(count.min()) < min_members:
-        raise ValueError(f"write_catalogue: min_members={min_members}, but the catalogue "
-                         f"holds a group of {int(count.min())} members; give the "
-                         "min_members the catalogue was built with")
+        raise ValueError(
+            f"write_catalogue: min_members={min_members}, but the catalogue "
+            f"holds a group of {int(count.min())} members; give the "
+            "min_members the catalogue was built with"
+        )
 
 
 def _run_attrs(box_size, nc, a, linking_length, b, min_members) -> dict:
@@ -275,8 +322,12 @@ def _run_attrs(box_size, nc, a, linking_length, b, min_members) -> dict:
     from ..core.particles import _check_integer
 
     values = {}
-    for name, value in (("box_size", box_size), ("a", a), ("linking_length", linking_length),
-                        ("b", b)):
+    for name, value in (
+        ("box_size", box_size),
+        ("a", a),
+        ("linking_length", linking_length),
+        ("b", b),
+    ):
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -287,14 +338,23 @@ def _run_attrs(box_size, nc, a, linking_length, b, min_members) -> dict:
     nc = _check_integer("nc", nc, 1)
     link = values["b"] * values["box_size"] / nc
     if abs(values["linking_length"] - link) > 1e-3 * link:
-        raise ValueError(f"linking_length={values['linking_length']:g} is not "
-                         f"b * box_size / nc = {values['b']:g} * {values['box_size']:g} / {nc} "
-                         f"= {link:g}: give the b and linking_length the catalogue was built "
-                         "with")
-    return {"format": FORMAT, "version": VERSION, "box_size": values["box_size"],
-            "nc": nc, "a": values["a"],
-            "redshift": 1.0 / values["a"] - 1.0, "linking_length": values["linking_length"],
-            "b": values["b"], "min_members": _check_integer("min_members", min_members, 1)}
+        raise ValueError(
+            f"linking_length={values['linking_length']:g} is not "
+            f"b * box_size / nc = {values['b']:g} * {values['box_size']:g} / {nc} "
+            f"= {link:g}: give the b and linking_length the catalogue was built "
+            "with"
+        )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "box_size": values["box_size"],
+        "nc": nc,
+        "a": values["a"],
+        "redshift": 1.0 / values["a"] - 1.0,
+        "linking_length": values["linking_length"],
+        "b": values["b"],
+        "min_members": _check_integer("min_members", min_members, 1),
+    }
 
 
 def _attr(value, name: str = "attribute"):
@@ -305,14 +365,17 @@ def _attr(value, name: str = "attribute"):
     if value.dtype.kind == "U":  # h5py stores str arrays as variable-length strings
         if not all(isinstance(item, str) for item in np.asarray(given, object).reshape(-1)):
             # numpy made the numbers strings: they would read back as text
-            raise ValueError(f"{name}: an array attribute holds numbers or strings, not "
-                             f"both; got {given!r}")
+            raise ValueError(
+                f"{name}: an array attribute holds numbers or strings, not both; got {given!r}"
+            )
         import h5py
 
         value = value.astype(h5py.string_dtype())
     elif value.dtype.kind not in "biufcS":
-        raise ValueError(f"{name}: HDF5 attributes hold numbers, strings or arrays of them; "
-                         f"got {value.dtype} ({value!r})")
+        raise ValueError(
+            f"{name}: HDF5 attributes hold numbers, strings or arrays of them; "
+            f"got {value.dtype} ({value!r})"
+        )
     return value.item() if value.ndim == 0 else value
 
 
@@ -383,8 +446,11 @@ def _check_rows(path, fields, num_halos):
     for name, value in fields.items():
         shape = (n, 3) if name in ("pos", "vel", "peak") else (n,)
         if value.shape != shape:
-            raise ValueError(f"{path}: dataset {name!r} has shape {value.shape}; with {n} ids "
-                             f"it should be {shape}")
+            raise ValueError(
+                f"{path}: dataset {name!r} has shape {value.shape}; with {n} ids "
+                f"it should be {shape}"
+            )
     if num_halos != n:
-        raise ValueError(f"{path}: attribute num_halos is {num_halos!r}, but the datasets hold "
-                         f"{n} halos")
+        raise ValueError(
+            f"{path}: attribute num_halos is {num_halos!r}, but the datasets hold {n} halos"
+        )

@@ -6,18 +6,18 @@ process calls it), drops blocks held twice (replicated shards) and sorts by id. 
 catalogue whose status failed is refused, never returned truncated.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 
-def gather_catalogue(catalogue, snapshot: int | None = None, *,
-                     throw: bool = True) -> dict[str, np.ndarray]:
+def gather_catalogue(
+    catalogue, snapshot: int | None = None, *, throw: bool = True
+) -> dict[str, np.ndarray]:
     """The valid halos of a (padded, sharded) catalogue as numpy arrays on every process.
 
     Args:
@@ -53,8 +53,12 @@ def gather_catalogue(catalogue, snapshot: int | None = None, *,
     if all(_addressable(x) for x in (num, *leaves.values())):
         pick = (lambda x: np.asarray(x)[snapshot]) if stacked else np.asarray
         so = {f: pick(x) for f, x in (catalogue.so or {}).items()}
-        single = dataclasses.replace(catalogue, num=pick(num), so=so or None,
-                                     **{f: pick(x) for f, x in leaves.items() if f not in so})
+        single = dataclasses.replace(
+            catalogue,
+            num=pick(num),
+            so=so or None,
+            **{f: pick(x) for f, x in leaves.items() if f not in so},
+        )
         return single.to_numpy()
 
     # Multi-process: compact this process's valid rows, all-gather them, dedupe blocks.
@@ -65,9 +69,10 @@ def gather_catalogue(catalogue, snapshot: int | None = None, *,
     counts = _local_blocks(num, 1, snapshot)
     parts = {f: _local_blocks(x, rows, snapshot) for f, x in leaves.items()}
     blocks = sorted(counts)
-    local = {f: [parts[f][k][:int(counts[k][0])] for k in blocks] for f in leaves}
+    local = {f: [parts[f][k][: int(counts[k][0])] for k in blocks] for f in leaves}
     local_block = np.concatenate(
-        [np.full(int(counts[k][0]), k, np.int32) for k in blocks] or [np.zeros(0, np.int32)])
+        [np.full(int(counts[k][0]), k, np.int32) for k in blocks] or [np.zeros(0, np.int32)]
+    )
     n_local = local_block.shape[0]
     n_all = np.asarray(multihost_utils.process_allgather(np.int32(n_local))).reshape(-1)
     width = max(int(n_all.max()), 1)
@@ -79,9 +84,12 @@ def gather_catalogue(catalogue, snapshot: int | None = None, *,
         return out
 
     gathered = multihost_utils.process_allgather(
-        {"block": padded([local_block], (), np.int32),
-         **{f: padded(local[f], x.shape[num.ndim:], x.dtype) for f, x in leaves.items()}},
-        tiled=False)
+        {
+            "block": padded([local_block], (), np.int32),
+            **{f: padded(local[f], x.shape[num.ndim :], x.dtype) for f, x in leaves.items()},
+        },
+        tiled=False,
+    )
     seen, keep = set(), {f: [] for f in leaves}
     for p, n in enumerate(n_all):
         block = np.asarray(gathered["block"][p][:n])
@@ -105,10 +113,12 @@ def _check_status(status, snapshot: int | None) -> None:
     failure = status.failure()
     if failure is not None:
         error = failure.error()
-        error.args = (f"the catalogue is incomplete or wrong, its status failed: {error} "
-                      "(the whole setting to rerun with: check_insitu(out, insitu) for an "
-                      "InSitu output, cat.status.check(config) for fof's; throw=False uses "
-                      "the catalogue anyway)",)
+        error.args = (
+            f"the catalogue is incomplete or wrong, its status failed: {error} "
+            "(the whole setting to rerun with: check_insitu(out, insitu) for an "
+            "InSitu output, cat.status.check(config) for fof's; throw=False uses "
+            "the catalogue anyway)",
+        )
         raise error
 
 
@@ -154,5 +164,5 @@ def _local_blocks(x, rows: int, snapshot: int | None) -> dict[int, np.ndarray]:
         start, stop = _bounds(index[axis], x.shape[axis])
         for k in range(-(-start // rows), stop // rows):
             if k not in out:
-                out[k] = data[k * rows - start:(k + 1) * rows - start]
+                out[k] = data[k * rows - start : (k + 1) * rows - start]
     return out

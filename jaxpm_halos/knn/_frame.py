@@ -29,7 +29,7 @@ LEVELS = MORTON_BITS
 
 def uniform_knn_radius(k: int, total: int, box_size: float) -> float:
     """The k-th neighbour distance in a uniform density of ``total`` particles."""
-    density = total / box_size ** 3
+    density = total / box_size**3
     return (3 * k / (4 * math.pi * density)) ** (1 / 3)
 
 
@@ -60,7 +60,7 @@ class SearchFrame:
     margin: float
 
     @classmethod
-    def of(cls, pencils: Pencils, width: float, dtype) -> "SearchFrame":
+    def of(cls, pencils: Pencils, width: float, dtype) -> SearchFrame:
         wx, wy = pencils.widths
         box = pencils.box_size
         side = max(wx, wy, box) + 2 * width
@@ -74,8 +74,9 @@ class SearchFrame:
         lo, hi = pencils.bounds()
         w = jnp.asarray(self.width, dtype)
         origin = jnp.stack([lo[0].astype(dtype) - w, lo[1].astype(dtype) - w, -w])
-        top = jnp.stack([hi[0].astype(dtype) + w, hi[1].astype(dtype) + w,
-                         jnp.asarray(self.box, dtype) + w])
+        top = jnp.stack(
+            [hi[0].astype(dtype) + w, hi[1].astype(dtype) + w, jnp.asarray(self.box, dtype) + w]
+        )
         m = jnp.asarray(self.margin, dtype)
         return origin, origin + m, top - m
 
@@ -110,17 +111,20 @@ def in_frame(cx, cy, cz, code, box: float):
     times the image, rounded as the decomposition rounds it (``Extended.local_pos``)."""
     code = code.astype(int32)
     shifts = tuple(((code >> (2 * d)) & 3) - 1 for d in range(3))
-    return jnp.stack([c + box * s.astype(c.dtype) for c, s in zip((cx, cy, cz), shifts)],
-                     axis=-1)
+    return jnp.stack([c + box * s.astype(c.dtype) for c, s in zip((cx, cy, cz), shifts)], axis=-1)
 
 
 def row_images(ext, source, side):
     """Image codes (E + 2 image_rows,) int8 of the extended rows (E,) followed by their z
-    images (``source``, ``side`` from :func:`~jaxpm_halos.core.ghosts.z_image_rows`). Coded apart and joined
-    as int8: no int32 image array of that length is formed."""
+    images (``source``, ``side`` from :func:`~jaxpm_halos.core.ghosts.z_image_rows`). Coded apart
+    and joined as int8: no int32 image array of that length is formed."""
     images = ext.image[jnp.minimum(source, ext.pos.shape[0] - 1)]  # (2 image_rows, 2)
-    return jnp.concatenate([image_code(ext.image[:, 0], ext.image[:, 1], 0),
-                            image_code(images[:, 0], images[:, 1], side)])
+    return jnp.concatenate(
+        [
+            image_code(ext.image[:, 0], ext.image[:, 1], 0),
+            image_code(images[:, 0], images[:, 1], side),
+        ]
+    )
 
 
 class Index(NamedTuple):
@@ -133,8 +137,8 @@ class Index(NamedTuple):
         (contiguous loads in the distance kernels); every distance is computed from them.
       image: (R,) int8 the periodic image that places each row in the device's frame
         (:func:`image_code`); :meth:`local` gives the positions there.
-      ext_row: (R,) extended row (:class:`~jaxpm_halos.core.domain.Extended`) each sorted row copies.
-      ext_id: (E,) the extended rows' global ids (the decomposition's own array).
+      ext_row: (R,) extended row (:class:`~jaxpm_halos.core.domain.Extended`) each sorted row
+      copies. ext_id: (E,) the extended rows' global ids (the decomposition's own array).
       owned: (R,) bool: an owned row itself (not a ghost, not an image).
     """
 
@@ -180,8 +184,7 @@ def build_index(frame: SearchFrame, ext, origin, image_rows: int, index_rows: in
     selected first, and the index, its sort included, holds ``index_rows`` rows, not every
     exchanged one. Rows are held as canonical coordinates and an image code: no (R, 3)
     array of frame positions is ever stored (they are recomputed where needed)."""
-    source, side, image_valid, need_images = z_image_rows(ext, frame.width, frame.box,
-                                                          image_rows)
+    source, side, image_valid, need_images = z_image_rows(ext, frame.width, frame.box, image_rows)
     n_ext = ext.pos.shape[0]
     valid = jnp.concatenate([ext.valid, image_valid])  # (E + 2 image_rows,)
     picked, count = selection(valid, index_rows)  # (R,) padded with E + 2 image_rows
@@ -195,8 +198,11 @@ def build_index(frame: SearchFrame, ext, origin, image_rows: int, index_rows: in
     sorted_ext_row = ext_row[order]
     sorted_code = code[order]
     # An owned row itself: not a ghost (those come after the owned rows), not an image.
-    owned = ((sorted_ext_row < ext.owned) & (sorted_code == image_code(jnp.int32(0), 0, 0))
-             & (key != SENTINEL))
+    owned = (
+        (sorted_ext_row < ext.owned)
+        & (sorted_code == image_code(jnp.int32(0), 0, 0))
+        & (key != SENTINEL)
+    )
     # One coordinate at a time: no (R, 3) copy of the canonical positions.
     cx, cy, cz = (canon_ext[:, d][sorted_ext_row] for d in range(3))
     index = Index(key, cx, cy, cz, sorted_code, sorted_ext_row, ext.id, owned)

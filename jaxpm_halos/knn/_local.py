@@ -69,9 +69,12 @@ class SearchState(NamedTuple):
     @classmethod
     def start(cls, valid, kept: int, n_ext: int, dtype):
         n = valid.shape[0]
-        return cls(jnp.full((n,), -1, dtype), jnp.full((n,), jnp.inf, dtype),
-                   jnp.where(valid, AGAIN, EXACT).astype(int32),
-                   jnp.full((n, kept), n_ext, int32))
+        return cls(
+            jnp.full((n,), -1, dtype),
+            jnp.full((n,), jnp.inf, dtype),
+            jnp.where(valid, AGAIN, EXACT).astype(int32),
+            jnp.full((n, kept), n_ext, int32),
+        )
 
 
 class QueryTable(NamedTuple):
@@ -127,8 +130,9 @@ def point_queries(frame: SearchFrame, index: Index, origin, qpos, qvalid):
     n_q = qpos.shape[0]
     key, order = sort_rows(morton_of(frame, qpos, origin, qvalid))
     valid = jnp.arange(n_q) < jnp.sum(qvalid, dtype=int32)
-    table = QueryTable(index, jnp.searchsorted(index.key, key).astype(int32), valid, qpos[order],
-                       frame.box)
+    table = QueryTable(
+        index, jnp.searchsorted(index.key, key).astype(int32), valid, qpos[order], frame.box
+    )
     return table, jnp.where(valid, order, n_q)
 
 
@@ -148,8 +152,9 @@ def order_ties(d2, ids, codes):
     if d2.shape[1] < 2:
         return codes
     tied = jnp.any((d2[:, 1:] == d2[:, :-1]) & jnp.isfinite(d2[:, 1:]))
-    return control.cond(tied, lambda: lax.sort((d2, ids, codes), dimension=1, num_keys=2)[2],
-                        lambda: codes)
+    return control.cond(
+        tied, lambda: lax.sort((d2, ids, codes), dimension=1, num_keys=2)[2], lambda: codes
+    )
 
 
 def finish_lists(d2, ids, codes, self_id, k: int, self_mode: bool, kept: int):
@@ -157,7 +162,7 @@ def finish_lists(d2, ids, codes, self_id, k: int, self_mode: bool, kept: int):
     order, the last ``kept`` of the k nearest."""
     if self_mode:
         d2, ids, codes = drop_self(d2, ids, codes, self_id, k)
-    return order_ties(d2, ids, codes)[:, k - kept:]
+    return order_ties(d2, ids, codes)[:, k - kept :]
 
 
 def classify(frame: SearchFrame, d2, coverage, rho, scale: float):
@@ -201,9 +206,18 @@ class LocalSearch(NamedTuple):
 
     def plan(self, q: Queries, rho):
         s = self.settings
-        return jax.vmap(functools.partial(plan_region, self.index, self.frame, self.origin,
-                                          self.cover_lo, self.cover_hi, k=s.k,
-                                          radius_factor=s.radius_factor))(q, rho)
+        return jax.vmap(
+            functools.partial(
+                plan_region,
+                self.index,
+                self.frame,
+                self.origin,
+                self.cover_lo,
+                self.cover_hi,
+                k=s.k,
+                radius_factor=s.radius_factor,
+            )
+        )(q, rho)
 
 
 def _batch_work(search: LocalSearch, slots, used, radius, batch: int, plan_batches: int):
@@ -221,8 +235,9 @@ def _batch_work(search: LocalSearch, slots, used, radius, batch: int, plan_batch
         return i + 1, lax.dynamic_update_slice_in_dim(work, count, i * per_step, 0)
 
     steps = (used + per_step * batch - 1) // (per_step * batch)
-    _, work = control.while_loop(lambda c: c[0] < steps, step,
-                                 (jnp.int32(0), jnp.zeros((n_batches,), int32)))
+    _, work = control.while_loop(
+        lambda c: c[0] < steps, step, (jnp.int32(0), jnp.zeros((n_batches,), int32))
+    )
     return work
 
 
@@ -233,21 +248,32 @@ def _search_group(search: LocalSearch, state: SearchState, slot_query, scale: fl
     index = search.index
     q, rho_q = search.batch_queries(slot_query, state.radius)  # (G, B, ...)
     region = search.plan(q, rho_q)
-    d2, rows = scan_group(index, search.frame, q, region, s.kk, s.chunk,
-                          s.merge_block)  # (G, B, kk)
+    d2, rows = scan_group(
+        index, search.frame, q, region, s.kk, s.chunk, s.merge_block
+    )  # (G, B, kk)
     P = slot_query.size
     d2, rows = d2.reshape(P, s.kk), rows.reshape(P, s.kk)
     rho = jnp.broadcast_to(region.rho[:, None], slot_query.shape).reshape(P)
     status, radius = classify(search.frame, d2, region.coverage.reshape(P), rho, scale)
     found = rows < index.rows
     safe = jnp.minimum(rows, index.rows - 1)
-    codes = finish_lists(d2, jnp.where(found, index.id(safe), -1),
-                         jnp.where(found, index.ext_row[safe], search.n_ext),
-                         q.id.reshape(P), s.k, s.self_mode, s.kept)  # (P, kept)
+    codes = finish_lists(
+        d2,
+        jnp.where(found, index.id(safe), -1),
+        jnp.where(found, index.ext_row[safe], search.n_ext),
+        q.id.reshape(P),
+        s.k,
+        s.self_mode,
+        s.kept,
+    )  # (P, kept)
     target = slot_query.reshape(P)
     put = lambda a, v: a.at[target].set(v, mode="drop")
-    return SearchState(put(state.radius, radius), put(state.bound2, d2[:, -1]),
-                       put(state.status, status), put(state.codes, codes))
+    return SearchState(
+        put(state.radius, radius),
+        put(state.bound2, d2[:, -1]),
+        put(state.status, status),
+        put(state.codes, codes),
+    )
 
 
 def _fill(slot, n: int, batch: int):
@@ -258,8 +284,9 @@ def _fill(slot, n: int, batch: int):
     return per_batch[of_batch]
 
 
-def search_pass(search: LocalSearch, state: SearchState, batch: int, group: int,
-                scale: float, least: int = 1) -> SearchState:
+def search_pass(
+    search: LocalSearch, state: SearchState, batch: int, group: int, scale: float, least: int = 1
+) -> SearchState:
     """Search every query whose status is ``AGAIN``, in batches of up to ``batch``
     consecutive queries, ``group`` batches side by side in order of decreasing work (so
     batches stepping together have about as many candidates). Queries that found no slot
@@ -269,8 +296,13 @@ def search_pass(search: LocalSearch, state: SearchState, batch: int, group: int,
     n = state.status.shape[0]
     pick, count = selection(state.status == AGAIN, n)  # (n,)
     live = jnp.arange(n) < count
-    slot, used = batch_slots(search.queries.local(jnp.minimum(pick, n - 1)), live, batch,
-                             search.settings.gap, search.settings.span)
+    slot, used = batch_slots(
+        search.queries.local(jnp.minimum(pick, n - 1)),
+        live,
+        batch,
+        search.settings.gap,
+        search.settings.span,
+    )
     if least > 1:
         slot = jnp.where(_fill(slot, n, batch) >= least, slot, n)
     per_group = group * batch
@@ -307,4 +339,6 @@ def search_again(search: LocalSearch, state: SearchState, scale: float) -> Searc
     s = search.settings
     return control.while_loop(
         lambda st: jnp.any(st.status == AGAIN),
-        lambda st: search_pass(search, st, s.again_batch, s.again_group, scale), state)
+        lambda st: search_pass(search, st, s.again_batch, s.again_group, scale),
+        state,
+    )

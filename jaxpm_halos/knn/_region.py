@@ -35,8 +35,10 @@ class Queries(NamedTuple):
 
     @classmethod
     def make(cls, local, canon, ids, valid, sorted_row):
-        return cls(jnp.concatenate([local, canon], axis=-1),
-                   jnp.stack([ids, valid.astype(int32), sorted_row], axis=-1))
+        return cls(
+            jnp.concatenate([local, canon], axis=-1),
+            jnp.stack([ids, valid.astype(int32), sorted_row], axis=-1),
+        )
 
     @property
     def local(self):
@@ -104,8 +106,9 @@ class Region(NamedTuple):
     rho: jax.Array
 
 
-def _search_radius(frame: SearchFrame, q: Queries, rho_q, qmin, qmax, rows: int, k: int,
-                   radius_factor: float):
+def _search_radius(
+    frame: SearchFrame, q: Queries, rho_q, qmin, qmax, rows: int, k: int, radius_factor: float
+):
     """The batch's radius: the largest one asked (``rho_q`` (B,)), or where some query asks
     for an estimate (a negative radius), at least ``radius_factor`` times the k-th
     neighbour distance of the batch's own density (the sorted rows between its first and
@@ -131,10 +134,12 @@ def _node_level(frame: SearchFrame, lo, hi):
     levels = jnp.arange(LEVELS + 1, dtype=int32)  # (L,)
     scales = jnp.left_shift(1, levels)
     sides = jnp.asarray(frame.side, dtype) / scales.astype(dtype)
-    first = jnp.clip(jnp.floor(lo[None, :] / sides[:, None]).astype(int32), 0,
-                     scales[:, None] - 1)  # (L, 3)
-    last = jnp.clip(jnp.floor(hi[None, :] / sides[:, None]).astype(int32), first,
-                    scales[:, None] - 1)
+    first = jnp.clip(
+        jnp.floor(lo[None, :] / sides[:, None]).astype(int32), 0, scales[:, None] - 1
+    )  # (L, 3)
+    last = jnp.clip(
+        jnp.floor(hi[None, :] / sides[:, None]).astype(int32), first, scales[:, None] - 1
+    )
     fits = jnp.prod(last - first + 1, axis=1) <= NODES
     level = jnp.max(jnp.where(fits, levels, 0))
     return level, scales[level], sides[level], first[level], last[level]
@@ -144,15 +149,25 @@ def _nearest_first(distance, values):
     """Reorder ``values`` (each (NODES,)) by ascending ``distance`` (NODES,), ties by index.
     Ranks come from all pairwise comparisons: far cheaper than XLA:CPU's comparison sort."""
     i = jnp.arange(NODES, dtype=int32)
-    before = ((distance[None, :] < distance[:, None])
-              | ((distance[None, :] == distance[:, None]) & (i[None, :] < i[:, None])))
+    before = (distance[None, :] < distance[:, None]) | (
+        (distance[None, :] == distance[:, None]) & (i[None, :] < i[:, None])
+    )
     # XLA materialises the comparisons (NODES, NODES): count them in the narrowest type.
     rank = jnp.sum(before, axis=1, dtype=jnp.int8 if NODES <= 128 else int32).astype(int32)
     return tuple(jnp.zeros_like(v).at[rank].set(v, unique_indices=True) for v in values)
 
 
-def plan_region(index: Index, frame: SearchFrame, origin, cover_lo, cover_hi, q: Queries, rho_q,
-                k: int, radius_factor: float) -> Region:
+def plan_region(
+    index: Index,
+    frame: SearchFrame,
+    origin,
+    cover_lo,
+    cover_hi,
+    q: Queries,
+    rho_q,
+    k: int,
+    radius_factor: float,
+) -> Region:
     """The region of one batch (``q`` (B, ...), ``rho_q`` (B,)): its bounding box grown by
     a radius, enumerated as at most NODES octree nodes of the finest level that covers it,
     nearest first (the running k nearest become good early, which makes later merges
@@ -168,17 +183,21 @@ def plan_region(index: Index, frame: SearchFrame, origin, cover_lo, cover_hi, q:
 
     side = jnp.asarray(frame.side, dtype)
     level, scale, node_side, first, last = _node_level(
-        frame, jnp.clip(qmin - rho - origin, 0, side), jnp.clip(qmax + rho - origin, 0, side))
+        frame, jnp.clip(qmin - rho - origin, 0, side), jnp.clip(qmax + rho - origin, 0, side)
+    )
     span = last - first + 1
     i = jnp.arange(NODES, dtype=int32)
-    nodes = first[None, :] + jnp.stack([i // (span[1] * span[2]), (i // span[2]) % span[1],
-                                        i % span[2]], axis=1)  # (NODES, 3)
+    nodes = first[None, :] + jnp.stack(
+        [i // (span[1] * span[2]), (i // span[2]) % span[1], i % span[2]], axis=1
+    )  # (NODES, 3)
     node_ok = (i < jnp.prod(span)) & any_valid
     nodes = jnp.where(node_ok[:, None], nodes, 0)
     prefix = morton_key(nodes[:, 0], nodes[:, 1], nodes[:, 2])
     shift = 3 * (LEVELS - level)
-    bounds = jnp.searchsorted(index.key, jnp.concatenate([jnp.left_shift(prefix, shift),
-                                                          jnp.left_shift(prefix + 1, shift)]))
+    bounds = jnp.searchsorted(
+        index.key,
+        jnp.concatenate([jnp.left_shift(prefix, shift), jnp.left_shift(prefix + 1, shift)]),
+    )
     start, end = bounds[:NODES].astype(int32), bounds[NODES:].astype(int32)
     count = jnp.where(node_ok, end - start, 0)
     centre = (qmin + qmax) / 2 - origin

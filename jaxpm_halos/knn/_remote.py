@@ -22,10 +22,10 @@ from jax import lax
 from ..core import control
 from ..core.domain import psum_all, selection
 from ..core.geometry import periodic_distance2
+from ..core.layout import Pencils
 from ._frame import Index, SearchFrame
 from ._local import REMOTE, finish_lists
 from ._scan import merge_nearest
-from ..core.layout import Pencils
 
 int32 = jnp.int32
 
@@ -73,17 +73,22 @@ class OwnedChunks(NamedTuple):
         live = (rows < R) & (jnp.arange(n_chunks * chunk).reshape(n_chunks, chunk) < own_count)
         pos = index.canon(jnp.clip(rows, 0, R - 1))  # (H, C, 3)
         big = jnp.asarray(jnp.inf, pos.dtype)
-        return cls(rows, live, jnp.min(jnp.where(live[..., None], pos, big), axis=1),
-                   jnp.max(jnp.where(live[..., None], pos, -big), axis=1))
+        return cls(
+            rows,
+            live,
+            jnp.min(jnp.where(live[..., None], pos, big), axis=1),
+            jnp.max(jnp.where(live[..., None], pos, -big), axis=1),
+        )
 
 
 def _search_block(index: Index, box: float, chunks: OwnedChunks, block_pos, reach, kk: int):
     """The kk nearest owned rows of queries at ``block_pos`` (Bq, 3) within ``reach`` (Bq,) (-1 for
     an empty slot), over the chunks their spheres reach. Returns (Bq, kk) d2 and rows."""
     R = index.rows
-    gaps = [interval_gap(block_pos[:, None, d], chunks.lo[None, :, d], chunks.hi[None, :, d],
-                         box)
-            for d in range(3)]
+    gaps = [
+        interval_gap(block_pos[:, None, d], chunks.lo[None, :, d], chunks.hi[None, :, d], box)
+        for d in range(3)
+    ]
     near = jnp.sqrt(gaps[0] ** 2 + gaps[1] ** 2 + gaps[2] ** 2) <= reach[:, None]  # (Bq, H)
     n_chunks = chunks.rows.shape[0]
     todo, n_todo = selection(jnp.any(near, axis=0), n_chunks)
@@ -92,11 +97,17 @@ def _search_block(index: Index, box: float, chunks: OwnedChunks, block_pos, reac
         i, run_d2, run_row = state
         c = todo[i]
         rows = chunks.rows[c]  # (C,)
-        d2 = periodic_distance2(block_pos[:, None, :], index.canon(jnp.clip(rows, 0, R - 1))[None],
-                                box)  # (Bq, C)
+        d2 = periodic_distance2(
+            block_pos[:, None, :], index.canon(jnp.clip(rows, 0, R - 1))[None], box
+        )  # (Bq, C)
         ok = chunks.live[c][None, :] & near[:, c][:, None]
-        return (i + 1,) + merge_nearest(run_d2, run_row, jnp.where(ok, d2, jnp.inf), rows,
-                                        lambda r: index.id(jnp.minimum(r, R - 1)))
+        return (i + 1,) + merge_nearest(
+            run_d2,
+            run_row,
+            jnp.where(ok, d2, jnp.inf),
+            rows,
+            lambda r: index.id(jnp.minimum(r, R - 1)),
+        )
 
     B = block_pos.shape[0]
     init = (jnp.int32(0), jnp.full((B, kk), jnp.inf, block_pos.dtype), jnp.full((B, kk), R, int32))
@@ -104,8 +115,17 @@ def _search_block(index: Index, box: float, chunks: OwnedChunks, block_pos, reac
     return d2, rows
 
 
-def remote_search(pencils: Pencils, frame: SearchFrame, index: Index, chunks: OwnedChunks,
-                  query_pos, query_id, bound2, kk: int, block: int):
+def remote_search(
+    pencils: Pencils,
+    frame: SearchFrame,
+    index: Index,
+    chunks: OwnedChunks,
+    query_pos,
+    query_id,
+    bound2,
+    kk: int,
+    block: int,
+):
     """The ``kk`` nearest owned particles of this device for every device's remote queries
     ``query_pos`` (Q, 3) (``query_id`` -3 for none) within ``sqrt(bound2)`` (Q,). Only the queries
     whose sphere reaches this pencil are searched, ``block`` at a time. Returns (Q, kk)
@@ -115,8 +135,12 @@ def remote_search(pencils: Pencils, frame: SearchFrame, index: Index, chunks: Ow
     Q = query_pos.shape[0]
     reach = jnp.sqrt(bound2) + jnp.asarray(frame.margin, dtype)  # inf stays inf
     lo, hi = pencils.bounds()
-    gap = [interval_gap(query_pos[:, d], lo[d].astype(dtype), hi[d].astype(dtype), box) if n > 1
-           else jnp.zeros((Q,), dtype) for d, n in ((0, pencils.px), (1, pencils.py))]
+    gap = [
+        interval_gap(query_pos[:, d], lo[d].astype(dtype), hi[d].astype(dtype), box)
+        if n > 1
+        else jnp.zeros((Q,), dtype)
+        for d, n in ((0, pencils.px), (1, pencils.py))
+    ]
     relevant = (jnp.sqrt(gap[0] ** 2 + gap[1] ** 2) <= reach) & (query_id != -3)
     todo, n_todo = selection(relevant, Q)
     todo = jnp.concatenate([todo, jnp.full((block,), Q, int32)])
@@ -125,12 +149,16 @@ def remote_search(pencils: Pencils, frame: SearchFrame, index: Index, chunks: Ow
         b, out_d2, out_row = state
         picked = lax.dynamic_slice_in_dim(todo, b * block, block)  # (Bq,)
         safe = jnp.clip(picked, 0, Q - 1)
-        d2, rows = _search_block(index, box, chunks, query_pos[safe],
-                                 jnp.where(picked < Q, reach[safe], -1), kk)
+        d2, rows = _search_block(
+            index, box, chunks, query_pos[safe], jnp.where(picked < Q, reach[safe], -1), kk
+        )
         return b + 1, out_d2.at[picked].set(d2), out_row.at[picked].set(rows)
 
-    init = (jnp.int32(0), jnp.full((Q + 1, kk), jnp.inf, dtype),
-            jnp.full((Q + 1, kk), index.rows, int32))
+    init = (
+        jnp.int32(0),
+        jnp.full((Q + 1, kk), jnp.inf, dtype),
+        jnp.full((Q + 1, kk), index.rows, int32),
+    )
     n_blocks = (n_todo + block - 1) // block
     _, out_d2, out_row = control.while_loop(lambda s: s[0] < n_blocks, step, init)
     return out_d2[:Q], out_row[:Q]
@@ -165,8 +193,10 @@ def _merge_devices(pencils: Pencils, answers, kk: int, live: jax.Array):
     block = min(_MERGE_BLOCK, F)
     fills = (jnp.inf, -1, 0, 0)
     flat = [jnp.moveaxis(a, 0, 1).reshape((F, D * kk) + a.shape[3:]) for a in answers]
-    flat = [jnp.concatenate([a, jnp.full((block,) + a.shape[1:], fill, a.dtype)])
-            for a, fill in zip(flat, fills)]  # (F + block, D * kk, ...): whole last blocks
+    flat = [
+        jnp.concatenate([a, jnp.full((block,) + a.shape[1:], fill, a.dtype)])
+        for a, fill in zip(flat, fills)
+    ]  # (F + block, D * kk, ...): whole last blocks
     slot = jnp.broadcast_to(jnp.arange(D * kk, dtype=int32), (block, D * kk))
 
     def step(b, pick):
@@ -177,13 +207,29 @@ def _merge_devices(pencils: Pencils, answers, kk: int, live: jax.Array):
     # Which answers, in a loop; the values are gathered after it, so that gradients flow.
     pick = jnp.full((F + block, kk), D * kk - 1, int32)  # rows not merged: the last, empty
     pick = control.fori_loop(0, (live + block - 1) // block, step, pick)[:F]
-    return tuple(jnp.take_along_axis(a[:F], pick.reshape(pick.shape + (1,) * (a.ndim - 2)), axis=1)
-                 for a in flat)
+    return tuple(
+        jnp.take_along_axis(a[:F], pick.reshape(pick.shape + (1,) * (a.ndim - 2)), axis=1)
+        for a in flat
+    )
 
 
-def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext_pos, ext_mass,
-                    queries, status, bound2, k: int, kk: int, kept: int, capacity: int,
-                    chunk: int, self_mode: bool) -> RemoteAnswers:
+def complete_remote(
+    pencils: Pencils,
+    frame: SearchFrame,
+    index: Index,
+    ext,
+    ext_pos,
+    ext_mass,
+    queries,
+    status,
+    bound2,
+    k: int,
+    kk: int,
+    kept: int,
+    capacity: int,
+    chunk: int,
+    self_mode: bool,
+) -> RemoteAnswers:
     """Search the queries of ``status == REMOTE`` (at most ``capacity``) on every device
     and merge the answers (differentiable positions and masses travel with them)."""
     n_q = status.shape[0]
@@ -202,24 +248,46 @@ def complete_remote(pencils: Pencils, frame: SearchFrame, index: Index, ext, ext
     def search(_):
         chunks = OwnedChunks.of(index, own_rows, own_count, chunk)
         gathered = [all_gather(pencils, a) for a in (q_canon, q_id, q_bound)]  # (D, F, ...)
-        return remote_search(pencils, frame, index, chunks, gathered[0].reshape(-1, 3),
-                             gathered[1].reshape(-1), gathered[2].reshape(-1), kk,
-                             min(64, D * capacity))
+        return remote_search(
+            pencils,
+            frame,
+            index,
+            chunks,
+            gathered[0].reshape(-1, 3),
+            gathered[1].reshape(-1),
+            gathered[2].reshape(-1),
+            kk,
+            min(64, D * capacity),
+        )
 
-    none = lambda _: (jnp.full((D * capacity, kk), jnp.inf, dtype),
-                      jnp.full((D * capacity, kk), R, int32))
+    none = lambda _: (
+        jnp.full((D * capacity, kk), jnp.inf, dtype),
+        jnp.full((D * capacity, kk), R, int32),
+    )
     d2, rows = control.cond(psum_all(pencils, n_far) > 0, search, none, None)  # (Q, kk)
     # The answers go back to the asking devices with differentiable positions.
     safe_rows = jnp.clip(rows, 0, R - 1)
     ext_row = index.ext_row[safe_rows]
-    answers = (d2, jnp.where(rows < R, index.id(safe_rows), -1), ext_pos[ext_row],
-               ext_mass[ext_row])
-    answers = jax.tree.map(lambda a: all_to_all(pencils, a.reshape((D, capacity) + a.shape[1:])),
-                           answers)
+    answers = (
+        d2,
+        jnp.where(rows < R, index.id(safe_rows), -1),
+        ext_pos[ext_row],
+        ext_mass[ext_row],
+    )
+    answers = jax.tree.map(
+        lambda a: all_to_all(pencils, a.reshape((D, capacity) + a.shape[1:])), answers
+    )
     d2, ids, pos, mass = _merge_devices(pencils, answers, kk, n_far)  # (F, kk, ...)
     found = jnp.isfinite(d2)
     ids = jnp.where(found, ids, -1)
     codes = E + 1 + jnp.arange(capacity * kk, dtype=int32).reshape(capacity, kk)
     codes = finish_lists(d2, ids, jnp.where(found, codes, E), q_id, k, self_mode, kept)
-    return RemoteAnswers(jnp.where(live, pick, n_q), codes, found[:, kk - 1], ids.reshape(-1),
-                         pos.reshape(-1, 3), mass.reshape(-1), n_far)
+    return RemoteAnswers(
+        jnp.where(live, pick, n_q),
+        codes,
+        found[:, kk - 1],
+        ids.reshape(-1),
+        pos.reshape(-1, 3),
+        mass.reshape(-1),
+        n_far,
+    )

@@ -20,8 +20,9 @@ int32 = jnp.int32
 
 
 def distance2_columns(ax, ay, az, bx, by, bz, box):
-    """:func:`~jaxpm_halos.core.geometry.periodic_distance2` from separate coordinate arrays (broadcast),
-    which keeps every operation vectorised along the candidates (same values bitwise)."""
+    """:func:`~jaxpm_halos.core.geometry.periodic_distance2` from separate coordinate arrays
+    (broadcast), which keeps every operation vectorised along the candidates (same values
+    bitwise)."""
     return squared_norm(*(periodic_delta(a, b, box) for a, b in ((ax, bx), (ay, by), (az, bz))))
 
 
@@ -64,9 +65,11 @@ def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of):
     # they make XLA:CPU lower top_k to a full sort of every row (8x slower kNN).
     d2, rows = -vals, _take_merged(run_row, cand_row, pick)
     tied = (d2[..., kk - 1] == d2[..., kk]) & jnp.isfinite(d2[..., kk])
-    return control.cond(jnp.any(tied),
-                        lambda: _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of),
-                        lambda: (d2[..., :kk], rows[..., :kk]))
+    return control.cond(
+        jnp.any(tied),
+        lambda: _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of),
+        lambda: (d2[..., :kk], rows[..., :kk]),
+    )
 
 
 def merge_where_needed(run_d2, run_row, cand_d2, cand_row, id_of, wanted, block: int):
@@ -89,8 +92,9 @@ def merge_where_needed(run_d2, run_row, cand_d2, cand_row, id_of, wanted, block:
         return all_lists()
     last = run_d2[:, -1:]
     # A candidate at exactly the last distance may still enter, by a lower id.
-    need = wanted & jnp.any((cand_d2 < last) | ((cand_d2 == last) & jnp.isfinite(last)),
-                            axis=1)  # (P,)
+    need = wanted & jnp.any(
+        (cand_d2 < last) | ((cand_d2 == last) & jnp.isfinite(last)), axis=1
+    )  # (P,)
     pick, count = selection(need, P)  # (P,) the lists to merge, P past the end
 
     def some():
@@ -98,8 +102,7 @@ def merge_where_needed(run_d2, run_row, cand_d2, cand_row, id_of, wanted, block:
             d2, row = lists
             take = lax.dynamic_slice_in_dim(pick, i * block, block)  # (block,)
             safe = jnp.minimum(take, P - 1)
-            m_d2, m_row = merge_nearest(d2[safe], row[safe], cand_d2[safe], cand_row[safe],
-                                        id_of)
+            m_d2, m_row = merge_nearest(d2[safe], row[safe], cand_d2[safe], cand_row[safe], id_of)
             return (d2.at[take].set(m_d2, mode="drop"), row.at[take].set(m_row, mode="drop"))
 
         blocks = (count + block - 1) // block
@@ -114,15 +117,21 @@ def _window_rows(region: Region, cum, first, total, t0, window: int):
     whether each is a candidate at all (``t < total``)."""
     t = t0 + jnp.arange(window, dtype=int32)
     # Range of each slot: ranges ending at or before t0, plus the ends inside the window.
-    ends = jnp.zeros((window,), int32).at[jnp.where(cum > t0, cum - t0, window)].add(
-        1, mode="drop")
+    ends = jnp.zeros((window,), int32).at[jnp.where(cum > t0, cum - t0, window)].add(1, mode="drop")
     node = jnp.minimum(jnp.sum(cum <= t0, dtype=int32) + jnp.cumsum(ends), cum.shape[0] - 1)
     in_range = t < total
     return jnp.where(in_range, region.start[node] + t - first[node], 0), in_range
 
 
-def scan_group(index: Index, frame: SearchFrame, q: Queries, region: Region, kk: int, chunk: int,
-               merge_block: int):
+def scan_group(
+    index: Index,
+    frame: SearchFrame,
+    q: Queries,
+    region: Region,
+    kk: int,
+    chunk: int,
+    merge_block: int,
+):
     """The ``kk`` nearest rows of each query of G batches of B queries (``q`` (G, B, ...))
     among its batch's region rows (``region`` (G, ...)); a query's own row is not excluded
     here: self mode keeps ``k + 1`` and drops it at the end.
@@ -152,16 +161,16 @@ def scan_group(index: Index, frame: SearchFrame, q: Queries, region: Region, kk:
         row, in_range = window_rows(region, cum, first, total, t0, chunk)  # (G, C)
         cx, cy, cz = index.cx[row], index.cy[row], index.cz[row]  # (G, C) each
         local = in_frame(cx, cy, cz, index.image[row], box)  # (G, C, 3)
-        live = in_range & jnp.all((local >= region.lo[:, None]) & (local <= region.hi[:, None]),
-                                  axis=-1)
+        live = in_range & jnp.all(
+            (local >= region.lo[:, None]) & (local <= region.hi[:, None]), axis=-1
+        )
         # Materialise the gathered candidates: fused into the distance kernel, the gather
         # would be repeated for every query and the kernel would not vectorise.
         live, cx, cy, cz = lax.optimization_barrier((live, cx, cy, cz))
         d2 = distance2_columns(qx, qy, qz, cx[:, None], cy[:, None], cz[:, None], box)
         d2 = jnp.where(live[:, None], d2, jnp.inf).reshape(P, chunk)  # (P, C)
         rows = jnp.broadcast_to(row[:, None], (G, B, chunk)).reshape(P, chunk)
-        run_d2, run_row = merge_where_needed(run_d2, run_row, d2, rows, id_of, valid,
-                                             merge_block)
+        run_d2, run_row = merge_where_needed(run_d2, run_row, d2, rows, id_of, valid, merge_block)
         return t0 + chunk, run_d2, run_row
 
     init = (jnp.int32(0), jnp.full((P, kk), jnp.inf, q.canon.dtype), jnp.full((P, kk), R, int32))

@@ -35,8 +35,8 @@ The search is split in rooms, each with one job:
   k nearest, and the home device merges the answers (every particle is owned once, so
   the merge is exact).
 
-Every distance is computed by :func:`jaxpm_halos.core.geometry.periodic_distance2` from canonical wrapped
-coordinates, so distances are bitwise identical on every mesh (as long as XLA compiles
+Every distance is computed by :func:`jaxpm_halos.core.geometry.periodic_distance2` from canonical
+wrapped coordinates, so distances are bitwise identical on every mesh (as long as XLA compiles
 that function alike in every program; see its docstring). Every merge keeps the
 smallest (distance, id) (:func:`._scan.merge_nearest`), so the ids chosen do not depend
 on the order a device scans its candidates in, and are the same on every mesh too. Self
@@ -57,16 +57,30 @@ from jax import lax
 from ..core.config import IMAGES, KNN_INDEX, REMOTE, KNNConfig
 from ..core.domain import pmax_all
 from ..core.geometry import periodic_distance2
-from ._frame import (SearchFrame, build_index, frame_share, ghost_width,  # noqa: F401
-                         requested_width, uniform_knn_radius)
-from ._local import (EXACT, LocalSearch, SearchSettings, SearchState, first_scan_pass,
-                         owned_queries, point_queries, search_again)
+from ..core.pipeline import Plan
+from ..core.status import Limit, Status
+from ._frame import (  # noqa: F401
+    SearchFrame,
+    build_index,
+    frame_share,
+    ghost_width,
+    requested_width,
+    uniform_knn_radius,
+)
+from ._local import (
+    EXACT,
+    LocalSearch,
+    SearchSettings,
+    SearchState,
+    first_scan_pass,
+    owned_queries,
+    point_queries,
+    search_again,
+)
 from ._region import NODES as _NODES  # noqa: F401 (benchmarks/knn_candidates.py)
 from ._remote import complete_remote
 from ._tree import available as _tree_available
 from ._tree import tree_pass
-from ..core.pipeline import Plan
-from ..core.status import Limit, Status
 
 int32 = jnp.int32
 _PLAN_BATCHES = 64  # most batches per planning step (on accelerators: 4x _ACCELERATOR)
@@ -100,8 +114,7 @@ def _chunk_for_backend(chunk: int, kk: int) -> int:
     return max(kk, (1 << (kk + chunk).bit_length() - 1) - kk)
 
 
-def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total: int,
-              box: float):
+def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total: int, box: float):
     """The local search's static settings on this backend."""
     kk = k + 1 if self_mode else k
     cpu = _backend() == "cpu"
@@ -112,16 +125,30 @@ def _settings(k: int, self_mode: bool, kth_only: bool, config: KNNConfig, total:
     gap = _GAP * uniform_knn_radius(k, total, box)
     lists = group * config.batch_size  # per step
     if config.search == "tree" and not _tree_available():
-        raise ValueError("KNNConfig(search='tree'): the host tree needs pykdtree or scipy and "
-                         "jax's internal callback emitter (jax._src.callback), not found; "
-                         "search='auto' or 'scan' uses the scan")
+        raise ValueError(
+            "KNNConfig(search='tree'): the host tree needs pykdtree or scipy and "
+            "jax's internal callback emitter (jax._src.callback), not found; "
+            "search='auto' or 'scan' uses the scan"
+        )
     tree = config.search == "tree" or (config.search == "auto" and cpu and _tree_available())
-    return SearchSettings(k, kk, 1 if kth_only else k, self_mode, config.batch_size,
-                          max(1, config.batch_size // _LEAST_SHARE) if cpu else 1, group,
-                          again_batch, lists // again_batch,
-                          _PLAN_BATCHES if cpu else 4 * _ACCELERATOR, chunk,
-                          max(1, lists // _MERGE_SHARE) if cpu else lists,
-                          tree, config.radius_factor, gap, min(0.125 * box, 4 * gap))
+    return SearchSettings(
+        k,
+        kk,
+        1 if kth_only else k,
+        self_mode,
+        config.batch_size,
+        max(1, config.batch_size // _LEAST_SHARE) if cpu else 1,
+        group,
+        again_batch,
+        lists // again_batch,
+        _PLAN_BATCHES if cpu else 4 * _ACCELERATOR,
+        chunk,
+        max(1, lists // _MERGE_SHARE) if cpu else lists,
+        tree,
+        config.radius_factor,
+        gap,
+        min(0.125 * box, 4 * gap),
+    )
 
 
 class Neighbours(NamedTuple):
@@ -149,8 +176,8 @@ class Neighbours(NamedTuple):
     def mass(self):
         return self.mass_table[self.codes]
 
-    def column(self, j: int) -> "Neighbours":
-        return self._replace(codes=self.codes[:, j:j + 1])
+    def column(self, j: int) -> Neighbours:
+        return self._replace(codes=self.codes[:, j : j + 1])
 
 
 def _to_input_order(home, *arrays):
@@ -160,12 +187,26 @@ def _to_input_order(home, *arrays):
     inverse = jnp.full((n,), n, int32).at[home].set(jnp.arange(n, dtype=int32), mode="drop")
     filled = inverse < n
     inverse = jnp.minimum(inverse, n - 1)
-    return tuple(jnp.where(filled.reshape((n,) + (1,) * (a.ndim - 1)), a[inverse],
-                           jnp.zeros((), a.dtype) if a.dtype == bool else -1) for a in arrays)
+    return tuple(
+        jnp.where(
+            filled.reshape((n,) + (1,) * (a.ndim - 1)),
+            a[inverse],
+            jnp.zeros((), a.dtype) if a.dtype == bool else -1,
+        )
+        for a in arrays
+    )
 
 
-def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, queries=None,
-               kth_only: bool = False):
+def knn_device(
+    plan: Plan,
+    ext,
+    ext_pos,
+    ext_mass,
+    k: int,
+    config: KNNConfig,
+    queries=None,
+    kth_only: bool = False,
+):
     """kNN on one device's extended rows.
 
     Args:
@@ -189,11 +230,18 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
     total = n0 * pencils.num_devices
     frame = SearchFrame.of(pencils, plan.width, dtype)
     origin, cover_lo, cover_hi = frame.arrays(pencils, dtype)
-    index_limit = Limit(KNN_INDEX, config.index_rows(
-        n0, plan.domain.capacity_factor * frame_share(pencils, plan.width),
-        n_ext + 2 * plan.image_rows), n0)
-    index, need_images, need_index = build_index(frame, ext, origin, plan.image_rows,
-                                                 index_limit.rows)
+    index_limit = Limit(
+        KNN_INDEX,
+        config.index_rows(
+            n0,
+            plan.domain.capacity_factor * frame_share(pencils, plan.width),
+            n_ext + 2 * plan.image_rows,
+        ),
+        n0,
+    )
+    index, need_images, need_index = build_index(
+        frame, ext, origin, plan.image_rows, index_limit.rows
+    )
     self_mode = queries is None
     if self_mode:
         q, home = owned_queries(index, ext.owned, frame.box)
@@ -209,20 +257,40 @@ def knn_device(plan: Plan, ext, ext_pos, ext_mass, k: int, config: KNNConfig, qu
     capped = plan.width < requested_width(k, total, pencils.box_size, config) * (1 - 1e-6)
     capacity = min(config.remote_rows(n0, capped), q.size)
     ext_mass = jnp.broadcast_to(ext_mass, (n_ext,))
-    remote = complete_remote(pencils, frame, index, ext, ext_pos, ext_mass, q, state.status,
-                             state.bound2, k, settings.kk, settings.kept, capacity, settings.chunk,
-                             self_mode)
+    remote = complete_remote(
+        pencils,
+        frame,
+        index,
+        ext,
+        ext_pos,
+        ext_mass,
+        q,
+        state.status,
+        state.bound2,
+        k,
+        settings.kk,
+        settings.kept,
+        capacity,
+        settings.chunk,
+        self_mode,
+    )
     codes = state.codes.at[remote.target].set(remote.codes, mode="drop")  # (n, kept)
     ok = (q.valid & (state.status == EXACT)).at[remote.target].set(remote.ok, mode="drop")
     codes, ok = _to_input_order(home, codes, ok)
     codes = jnp.where(codes < 0, n_ext, codes)
-    nb = Neighbours(codes, ok, jnp.concatenate([ext.id, jnp.full((1,), -1, ext.id.dtype), remote.id]),
-                    jnp.concatenate([ext_pos, jnp.zeros((1, 3), ext_pos.dtype), remote.pos]),
-                    jnp.concatenate([ext_mass, jnp.zeros((1,), ext_mass.dtype), remote.mass]))
+    nb = Neighbours(
+        codes,
+        ok,
+        jnp.concatenate([ext.id, jnp.full((1,), -1, ext.id.dtype), remote.id]),
+        jnp.concatenate([ext_pos, jnp.zeros((1, 3), ext_pos.dtype), remote.pos]),
+        jnp.concatenate([ext_mass, jnp.zeros((1,), ext_mass.dtype), remote.mass]),
+    )
     # kNN's own buffers, in pipeline order after the decomposition's z images.
-    knn_status = Status(pmax_all(pencils, {"knn index": need_index, "knn remote": remote.needed}),
-                        jnp.int32(0), (("knn index", index_limit),
-                                       ("knn remote", Limit(REMOTE, capacity, n0))))
+    knn_status = Status(
+        pmax_all(pencils, {"knn index": need_index, "knn remote": remote.needed}),
+        jnp.int32(0),
+        (("knn index", index_limit), ("knn remote", Limit(REMOTE, capacity, n0))),
+    )
     status = plan.status({"z images": need_images}, {"z images": IMAGES})
     return nb, status.merge(knn_status)
 
@@ -279,9 +347,8 @@ def overdensity(rho, total_mass, box_size: float):
     their zero cotangent would otherwise make the mean's derivative, and so every mass's,
     NaN."""
     finite = jnp.isfinite(rho)
-    rho, mean = lax.optimization_barrier((rho, total_mass / box_size ** 3))
-    return jnp.where(finite, jnp.where(finite, rho, 0) / mean,
-                     rho / lax.stop_gradient(mean)) - 1
+    rho, mean = lax.optimization_barrier((rho, total_mass / box_size**3))
+    return jnp.where(finite, jnp.where(finite, rho, 0) / mean, rho / lax.stop_gradient(mean)) - 1
 
 
 def knn_density_of(query_pos, nb: Neighbours, k: int, box_size: float):

@@ -10,8 +10,8 @@ whether it is certified.
 
 The tree ranks rows by float64 distance in the device's frame (exact for float32
 coordinates); the scan, and every mesh, rank them by (float32 squared distance from
-:func:`~jaxpm_halos.core.geometry.periodic_distance2`, global id). A list is certified when both must
-agree: consecutive float64 distances around what is kept (the k-th alone, or all k) and at
+:func:`~jaxpm_halos.core.geometry.periodic_distance2`, global id). A list is certified when both
+must agree: consecutive float64 distances around what is kept (the k-th alone, or all k) and at
 the list's boundary lie farther apart than float32's rounding of a distance can bridge
 (2 ulp of the box plus a relative 8 eps), and the next row lies within half a box (so no
 row is a second periodic image). Queries not certified (near ties, duplicates in the
@@ -63,8 +63,13 @@ def _usable(module: str, oldest: tuple[int, ...] = ()) -> bool:
 # The tree library: pykdtree's builds and queries take a third less CPU time than
 # cKDTree's (replayed calls at 64^3), with the same float64 distances; before 1.4.1 it
 # returned wrong distances on very large trees. None: neither library.
-_BACKEND = ("pykdtree" if _usable("pykdtree.kdtree", (1, 4, 1))
-            else "scipy" if _usable("scipy.spatial") else None)
+_BACKEND = (
+    "pykdtree"
+    if _usable("pykdtree.kdtree", (1, 4, 1))
+    else "scipy"
+    if _usable("scipy.spatial")
+    else None
+)
 
 
 def _host_primitive():
@@ -87,16 +92,25 @@ def _host_primitive():
 
     def lower(ctx, *args, fn, results):
         sharding = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
-        out, _, _ = emit_python_callback(ctx, lambda *a: tuple(fn(*a)), None, list(args),
-                                         ctx.avals_in, ctx.avals_out, has_side_effect=False,
-                                         sharding=sharding)
+        out, _, _ = emit_python_callback(
+            ctx,
+            lambda *a: tuple(fn(*a)),
+            None,
+            list(args),
+            ctx.avals_in,
+            ctx.avals_out,
+            has_side_effect=False,
+            sharding=sharding,
+        )
         return out
 
     def batch(args, dims, fn, results):
         # One call per batch element (a vmapped kNN is a loop of kNN calls).
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        args = [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
-                for a, d in zip(args, dims)]
+        args = [
+            jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+            for a, d in zip(args, dims)
+        ]
         out = lax.map(lambda a: host_p.bind(*a, fn=fn, results=results), tuple(args))
         return out, (0,) * len(out)
 
@@ -119,15 +133,16 @@ def _frame_positions(cx, cy, cz, code, box: float):
     exact, unlike the float32 frame positions the scan recomputes."""
     code = code.astype(np.int32)
     shifts = [((code >> (2 * d)) & 3) - 1 for d in range(3)]
-    return np.stack([np.asarray(c, np.float64) + box * s for c, s in zip((cx, cy, cz), shifts)],
-                    axis=1)
+    return np.stack(
+        [np.asarray(c, np.float64) + box * s for c, s in zip((cx, cy, cz), shifts)], axis=1
+    )
 
 
 def _separated(dist, first: int, last: int, slack: float, slack_rel: float):
     """Whether consecutive float64 distances (m, F) from column ``first`` to ``last`` are
     farther apart than float32 rounding can bridge, so that float32 distances order them
     alike."""
-    lo, hi = dist[:, first:last], dist[:, first + 1:last + 1]
+    lo, hi = dist[:, first:last], dist[:, first + 1 : last + 1]
     return np.all(hi - lo > 2 * (slack + slack_rel * hi), axis=1)
 
 
@@ -137,8 +152,11 @@ def _drop_self(dist, pick, own):
     is_self = pick == own[:, None]
     ok = is_self[:, :-1].any(axis=1)
     order = np.argsort(is_self, axis=1, kind="stable")  # self to the end
-    return (np.take_along_axis(dist, order, axis=1)[:, :-1],
-            np.take_along_axis(pick, order, axis=1)[:, :-1], ok)
+    return (
+        np.take_along_axis(dist, order, axis=1)[:, :-1],
+        np.take_along_axis(pick, order, axis=1)[:, :-1],
+        ok,
+    )
 
 
 def _list_of(dist, pick, *, k: int, kept: int, half: float, slack: float, slack_rel: float):
@@ -149,7 +167,7 @@ def _list_of(dist, pick, *, k: int, kept: int, half: float, slack: float, slack_
     ok = dist[:, k] < half
     # The list's boundary, and the order of what is kept (the k-th alone, or all k).
     ok &= _separated(dist, 0 if kept == k else k - 2, k, slack, slack_rel)
-    return pick[:, k - kept:k], dist[:, k - 1], ok
+    return pick[:, k - kept : k], dist[:, k - 1], ok
 
 
 def _certify(dist, pick, own, **settings):
@@ -184,9 +202,25 @@ def _tree_query(data):
     return lambda points, k: tree.query(points, k=k, workers=_WORKERS)
 
 
-def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k: int,
-                  kept: int, self_mode: bool, half: float, slack: float, slack_rel: float,
-                  dtype):
+def _nearest_rows(
+    cx,
+    cy,
+    cz,
+    code,
+    valid,
+    qpos,
+    qvalid,
+    qrow,
+    *,
+    box: float,
+    k: int,
+    kept: int,
+    self_mode: bool,
+    half: float,
+    slack: float,
+    slack_rel: float,
+    dtype,
+):
     """Host side: each valid query's list from the tree, certified or not. ``qpos`` (n, 3)
     holds query points' frame positions, and is empty for self queries (placed from their
     rows ``qrow``). Returns rows (n, kept) (R where none), an upper bound of the k-th
@@ -210,10 +244,11 @@ def _nearest_rows(cx, cy, cz, code, valid, qpos, qvalid, qrow, *, box: float, k:
         own, points = None, np.asarray(qpos, np.float64)
     settings = dict(k=k, kept=kept, half=half, slack=slack, slack_rel=slack_rel)
     for lo in range(0, live.size, _QUERY_BLOCK):
-        q = live[lo:lo + _QUERY_BLOCK]
+        q = live[lo : lo + _QUERY_BLOCK]
         dist, pick = query(points[q], fetch)
-        lists, out_kth[q], out_ok[q] = _certify(dist, pick, None if own is None else own[q],
-                                                **settings)
+        lists, out_kth[q], out_ok[q] = _certify(
+            dist, pick, None if own is None else own[q], **settings
+        )
         out_rows[q] = rows[lists]
     # Rounded up: an upper bound, for the coverage test and the cross-device radius.
     kth = out_kth.astype(dtype)
@@ -228,20 +263,39 @@ def tree_lists(search):
     n, dtype = queries.size, index.cx.dtype
     eps = float(np.finfo(dtype).eps)
     host = functools.partial(
-        _nearest_rows, box=search.frame.box, k=s.k, kept=s.kept, self_mode=s.self_mode,
+        _nearest_rows,
+        box=search.frame.box,
+        k=s.k,
+        kept=s.kept,
+        self_mode=s.self_mode,
         half=0.5 * search.frame.box - search.frame.margin,
-        slack=2 * eps * search.frame.box, slack_rel=8 * eps,
-        dtype=np.dtype(dtype))
+        slack=2 * eps * search.frame.box,
+        slack_rel=8 * eps,
+        dtype=np.dtype(dtype),
+    )
     stop = lax.stop_gradient
     # Self queries are index rows, placed on the host from the index itself: no (n, 3)
     # array of their positions is formed.
-    qpos = (jnp.zeros((0, 3), dtype) if s.self_mode
-            else stop(queries.local(jnp.arange(n, dtype=int32))))
-    results = (core.ShapedArray((n, s.kept), int32), core.ShapedArray((n,), dtype),
-               core.ShapedArray((n,), jnp.bool_))
+    qpos = (
+        jnp.zeros((0, 3), dtype) if s.self_mode else stop(queries.local(jnp.arange(n, dtype=int32)))
+    )
+    results = (
+        core.ShapedArray((n, s.kept), int32),
+        core.ShapedArray((n,), dtype),
+        core.ShapedArray((n,), jnp.bool_),
+    )
     return _HOST_CALL.bind(
-        stop(index.cx), stop(index.cy), stop(index.cz), index.image, index.key != SENTINEL,
-        qpos, queries.valid, queries.rows, fn=host, results=results)
+        stop(index.cx),
+        stop(index.cy),
+        stop(index.cz),
+        index.image,
+        index.key != SENTINEL,
+        qpos,
+        queries.valid,
+        queries.rows,
+        fn=host,
+        results=results,
+    )
 
 
 def _frame_coverage(search):
@@ -263,12 +317,15 @@ def tree_pass(search, state: SearchState, scale: float) -> SearchState:
     rows, kth, certified = tree_lists(search)  # (n, kept), (n,), (n,)
     bound2 = jnp.nextafter(kth * kth, jnp.inf)  # still an upper bound, rounded
     full = jnp.full(kth.shape, search.frame.full, kth.dtype)
-    status, radius = classify(search.frame, bound2[:, None], _frame_coverage(search), full,
-                              scale)
+    status, radius = classify(search.frame, bound2[:, None], _frame_coverage(search), full, scale)
     certified = certified & search.queries.valid
-    codes = jnp.where(rows < index.rows, index.ext_row[jnp.minimum(rows, index.rows - 1)],
-                      search.n_ext)  # (n, kept)
+    codes = jnp.where(
+        rows < index.rows, index.ext_row[jnp.minimum(rows, index.rows - 1)], search.n_ext
+    )  # (n, kept)
     radius = jnp.where(jnp.isfinite(kth), radius, -1)  # negative: estimate one
-    return SearchState(radius, jnp.where(certified, bound2, jnp.inf),
-                       jnp.where(certified, status, state.status),
-                       jnp.where(certified[:, None], codes, state.codes))
+    return SearchState(
+        radius,
+        jnp.where(certified, bound2, jnp.inf),
+        jnp.where(certified, status, state.status),
+        jnp.where(certified[:, None], codes, state.codes),
+    )

@@ -7,26 +7,45 @@ search kernel (:func:`._search.knn_device`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..core.config import KNNConfig
 from ..core.domain import Decomposition, pmax_all, psum_all, valued_with_derivative_of
-from ..core.frontend import (Problem, local_fields, local_valid, particle_fields, particles_of,
-                        prepare, program_cache, row_masses, trim_padding)
+from ..core.frontend import (
+    Problem,
+    local_fields,
+    local_valid,
+    particle_fields,
+    particles_of,
+    prepare,
+    program_cache,
+    row_masses,
+    trim_padding,
+)
 from ..core.geometry import wrap
-from ._search import ghost_width, knn_density_of, knn_device, neighbour_distances, overdensity
 from ..core.layout import Pencils
 from ..core.particles import Particles, integer_value, real_floats
-from ..core.pipeline import (JitProgram, Plan, Step, analyse, blank_rows, on_device, plan_for,
-                        run_sharded)
+from ..core.pipeline import (
+    JitProgram,
+    Plan,
+    Step,
+    analyse,
+    blank_rows,
+    on_device,
+    plan_for,
+    run_sharded,
+)
 from ..core.retry import run_growing
 from ..core.status import is_traced, refuse_nonfinite_points
+from ._search import ghost_width, knn_density_of, knn_device, neighbour_distances, overdensity
 
 int32 = jnp.int32
 # The particle fields a reduce fn sees in data (query points carry only "pos").
@@ -64,14 +83,17 @@ def _finish(plan: Plan, spec: _Spec, nb, qpos, data, total_mass):
         key = error.args[0] if error.args else None
         if key not in _ROW_FIELDS or key in data:
             raise
-        raise KeyError(f"knn's reduce fn asked data for {key!r}; data holds "
-                       f"{sorted(data)}") from error
+        raise KeyError(
+            f"knn's reduce fn asked data for {key!r}; data holds {sorted(data)}"
+        ) from error
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
         shape = tuple(jnp.shape(leaf))
         if not shape or shape[0] != dist.shape[0]:
-            raise ValueError(f"knn's reduce fn must return per-row arrays, with the leading "
-                             f"axis of its dist argument ({dist.shape[0]} rows on a device); "
-                             f"output {jax.tree_util.keystr(path) or 'value'} has shape {shape}")
+            raise ValueError(
+                f"knn's reduce fn must return per-row arrays, with the leading "
+                f"axis of its dist argument ({dist.shape[0]} rows on a device); "
+                f"output {jax.tree_util.keystr(path) or 'value'} has shape {shape}"
+            )
     # A row not completed (overflow or too few inside jit) gave the fn partial neighbours;
     # whatever it made of them is blanked rather than returned finite and wrong.
     return {"value": blank_rows(value, nb.ok)}
@@ -83,24 +105,36 @@ def _neighbours(plan: Plan, decomposition: Decomposition, spec: _Spec, mass=None
     if not 0 <= plan.width <= decomposition.width:
         # A search trusting a wider layer than the ghosts hold would miss neighbours and
         # still report ok.
-        raise ValueError(f"kNN: width={plan.width} is not within the decomposition's ghost "
-                         f"layer ({decomposition.width}); pass a width at most that, or leave "
-                         "it out to use the layer's own")
+        raise ValueError(
+            f"kNN: width={plan.width} is not within the decomposition's ghost "
+            f"layer ({decomposition.width}); pass a width at most that, or leave "
+            "it out to use the layer's own"
+        )
     mig = decomposition.migrated
     if mass is None:
         mass = mig.payload["mass"]
     ext_mass = decomposition.ghosts.forward(plan.pencils, mass)
-    nb, status = knn_device(plan, decomposition.ext, decomposition.ext.pos, ext_mass, spec.k,
-                            spec.config, queries=queries, kth_only=spec.kth_only)
-    nb, status = _trusted(plan, decomposition, nb, status,
-                          mig.valid if queries is None else queries[1])
+    nb, status = knn_device(
+        plan,
+        decomposition.ext,
+        decomposition.ext.pos,
+        ext_mass,
+        spec.k,
+        spec.config,
+        queries=queries,
+        kth_only=spec.kth_only,
+    )
+    nb, status = _trusted(
+        plan, decomposition, nb, status, mig.valid if queries is None else queries[1]
+    )
     total_mass = None
     if spec.overdensity:
         count = psum_all(plan.pencils, jnp.sum(mig.valid, dtype=jnp.int32))
         total_mass = _total_mass(plan, mig.valid, mass, count, spec.kth_only)
         # No mass at all: every overdensity is NaN, and the masses are what is unusable.
-        status = dataclasses.replace(status, nonfinite=jnp.maximum(
-            status.nonfinite, jnp.where(total_mass > 0, 0, count)))
+        status = dataclasses.replace(
+            status, nonfinite=jnp.maximum(status.nonfinite, jnp.where(total_mass > 0, 0, count))
+        )
     return nb, status, total_mass
 
 
@@ -143,8 +177,10 @@ def self_step(plan: Plan, spec: _Spec) -> Step:
         nb, status, total_mass = _neighbours(plan, decomposition, spec)
         payload = decomposition.migrated.payload
         data = {key: payload[key] for key in _ROW_FIELDS if key in payload}
-        return {"values": _finish(plan, spec, nb, payload["pos"], data, total_mass),
-                "status": status}
+        return {
+            "values": _finish(plan, spec, nb, payload["pos"], data, total_mass),
+            "status": status,
+        }
 
     return Step(run, {"values": "particle", "status": "replicated"})
 
@@ -156,12 +192,13 @@ def query_step(plan: Plan, spec: _Spec, qpos, qvalid, qn0: int) -> Step:
     nq = qpos.shape[0]
 
     def run(decomposition):
-        qfields = {"pos": wrap(qpos, plan.pencils.box_size),
-                   "id": plan.pencils.device_index() * nq + jnp.arange(nq, dtype=int32)}
+        qfields = {
+            "pos": wrap(qpos, plan.pencils.box_size),
+            "id": plan.pencils.device_index() * nq + jnp.arange(nq, dtype=int32),
+        }
         qmig, qstatus = qplan.migrate(qfields, qvalid)
         mine = qmig.payload["pos"]
-        nb, status, total_mass = _neighbours(plan, decomposition, spec,
-                                             queries=(mine, qmig.valid))
+        nb, status, total_mass = _neighbours(plan, decomposition, spec, queries=(mine, qmig.valid))
         values = _finish(plan, spec, nb, mine, {"pos": mine}, total_mass)
         return {"values": qplan.trip(values, qmig, nq), "status": qstatus.merge(status)}
 
@@ -172,8 +209,11 @@ def query_step(plan: Plan, spec: _Spec, qpos, qvalid, qn0: int) -> Step:
 def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
     """Jitted pipeline; ``query_rows`` > 0 for query points (padded total)."""
     layout = problem.layout
-    plan = plan_for(problem, spec.config.domain,
-                    ghost_width(spec.k, problem.total, problem.pencils, spec.config))
+    plan = plan_for(
+        problem,
+        spec.config.domain,
+        ghost_width(spec.k, problem.total, problem.pencils, spec.config),
+    )
     qn0 = query_rows // problem.pencils.num_devices
     if query_rows:
         in_specs = tuple(in_specs) + (layout.device_spec, layout.device_spec)
@@ -193,8 +233,14 @@ def _knn_program(problem: Problem, in_specs, spec: _Spec, query_rows: int):
     return JitProgram(lambda *args: run_sharded(layout, device, args, in_specs)["knn"])
 
 
-def check_k(k, total: int | None, self_mode: bool, least: int = 1, context: str = "",
-            particles: str = "there are {total}") -> int:
+def check_k(
+    k,
+    total: int | None,
+    self_mode: bool,
+    least: int = 1,
+    context: str = "",
+    particles: str = "there are {total}",
+) -> int:
     """``k`` as an int: an integer of at least ``least`` (2 for a density: the estimator
     uses k - 1) and, where the particle count ``total`` is known, at most the particles
     there are to find (k + 1 in self mode). Errors start with ``context``; ``particles``
@@ -203,17 +249,24 @@ def check_k(k, total: int | None, self_mode: bool, least: int = 1, context: str 
     if k is None:
         raise ValueError(f"{context}k must be an integer, got {given!r}")
     if k < least:
-        raise ValueError(f"{context}k must be at least 1, got {k}" if least == 1 else
-                         f"{context}a kNN density needs k >= {least} (the estimator uses "
-                         f"k - 1), got {k}")
+        raise ValueError(
+            f"{context}k must be at least 1, got {k}"
+            if least == 1
+            else f"{context}a kNN density needs k >= {least} (the estimator uses k - 1), got {k}"
+        )
     need = k + 1 if self_mode else k
     if total is not None and need > total:
         most = total - 1 if self_mode else total
-        fix = (f"Use k <= {most}" if most >= least else
-               f"No k fits: {least + self_mode} particles at least are needed")
-        raise ValueError(f"{context}k = {k} neighbours need at least "
-                         f"{'k + 1' if self_mode else 'k'} particles; "
-                         f"{particles.format(total=total)}. {fix}")
+        fix = (
+            f"Use k <= {most}"
+            if most >= least
+            else f"No k fits: {least + self_mode} particles at least are needed"
+        )
+        raise ValueError(
+            f"{context}k = {k} neighbours need at least "
+            f"{'k + 1' if self_mode else 'k'} particles; "
+            f"{particles.format(total=total)}. {fix}"
+        )
     return k
 
 
@@ -225,9 +278,11 @@ def _check_total_mass(problem, mass):
     mass = np.asarray(mass, np.float64)
     total = float(mass.sum() if mass.ndim else mass * problem.total)
     if not total > 0:
-        raise ValueError("knn_density(overdensity=True) divides by the mean density, but the "
-                         f"particles' total mass is {total:g}; give positive masses (or "
-                         "overdensity=False)")
+        raise ValueError(
+            "knn_density(overdensity=True) divides by the mean density, but the "
+            f"particles' total mass is {total:g}; give positive masses (or "
+            "overdensity=False)"
+        )
 
 
 def _query_rows(query, devices: int):
@@ -241,22 +296,25 @@ def _query_rows(query, devices: int):
     if m == 0:
         raise ValueError("query holds no points")
     # Named here: the status would count them with the particles as "positions".
-    refuse_nonfinite_points(flat, "query points", "pass finite query points (inside jit "
-                            "their rows give NaN and id -1)")
+    refuse_nonfinite_points(
+        flat, "query points", "pass finite query points (inside jit their rows give NaN and id -1)"
+    )
     pad = -m % devices
     if pad:
         flat = jnp.concatenate([flat, jnp.zeros((pad, 3), flat.dtype)])
     return flat, lead, m
 
 
-def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overdensity,
-         with_status, grow):
+def _run(
+    pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overdensity, with_status, grow
+):
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     self_mode = query is None
     k = check_k(k, problem.total, self_mode, least=2 if output == "density" else 1)
     if overdensity:
-        _check_total_mass(problem, pos.mass if isinstance(pos, Particles) and mass is None
-                          else mass)
+        _check_total_mass(
+            problem, pos.mass if isinstance(pos, Particles) and mass is None else mass
+        )
     query_rows, lead, m = 0, None, 0
     if not self_mode:
         flat, lead, m = _query_rows(query, problem.pencils.num_devices)
@@ -266,15 +324,15 @@ def _run(pos, box_size, k, mass, mesh, query, config, output, reduce_fn, overden
     equal_masses = problem.mass_kind in ("static", "scalar")
 
     def run(cfg):
-        spec = _Spec(k, cfg, output, reduce_fn, bool(overdensity),
-                     output == "density" and equal_masses)
+        spec = _Spec(
+            k, cfg, output, reduce_fn, bool(overdensity), output == "density" and equal_masses
+        )
         return _knn_program(problem, in_specs, spec, query_rows)(*args)
 
     if is_traced(args):
         out = run(config)
     else:
-        out, _ = run_growing(run, config, lambda o: o["status"].failure(), grow=grow,
-                             stacklevel=4)
+        out, _ = run_growing(run, config, lambda o: o["status"].failure(), grow=grow, stacklevel=4)
     values, status = out["values"], out["status"]
     key = {"neighbours": None, "density": "rho", "reduce": "value"}[output]
     result = (values["dist"], values["idx"]) if key is None else values[key]
@@ -294,12 +352,21 @@ def _in_query_sharding(result, query, lead_dims: int):
         return result
     spec = tuple(sharding.spec)[:lead_dims]
     spec = spec + (None,) * (lead_dims - len(spec))
-    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(sharding.mesh, P(*spec))),
-                        result)
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(sharding.mesh, P(*spec))), result)
 
 
-def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callable | None = None,
-        config: KNNConfig = KNNConfig(), with_status: bool = False, grow: bool = True):
+def knn(
+    pos,
+    box_size=None,
+    k: int = 8,
+    *,
+    mesh=None,
+    query=None,
+    reduce: Callable | None = None,
+    config: KNNConfig = KNNConfig(),
+    with_status: bool = False,
+    grow: bool = True,
+):
     """Exact k nearest neighbours in a periodic box, distributed over the input's mesh.
 
     Args:
@@ -343,13 +410,24 @@ def knn(pos, box_size=None, k: int = 8, *, mesh=None, query=None, reduce: Callab
     NaN (ids -1, ``reduce``'s outputs blank as above): none is returned finite and wrong.
     """
     output = "neighbours" if reduce is None else "reduce"
-    return _run(pos, box_size, k, None, mesh, query, config, output, reduce, False, with_status,
-                grow)
+    return _run(
+        pos, box_size, k, None, mesh, query, config, output, reduce, False, with_status, grow
+    )
 
 
-def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overdensity: bool = False,
-                query=None, config: KNNConfig = KNNConfig(), with_status: bool = False,
-                grow: bool = True):
+def knn_density(
+    pos,
+    box_size=None,
+    k: int = 8,
+    *,
+    mass=None,
+    mesh=None,
+    overdensity: bool = False,
+    query=None,
+    config: KNNConfig = KNNConfig(),
+    with_status: bool = False,
+    grow: bool = True,
+):
     """kNN density ``rho = (k - 1) m / (4/3 pi r_k^3)`` at each particle (or query point).
 
     ``r_k`` is the distance to the k-th nearest other particle (nearest particle for query
@@ -379,13 +457,24 @@ def knn_density(pos, box_size=None, k: int = 8, *, mass=None, mesh=None, overden
         >>> print(f"median {float(np.median(rho)):.2f}, mean density {4096 / 10**3:.2f}")
         median 3.90, mean density 4.10
     """
-    return _run(pos, box_size, k, mass, mesh, query, config, "density", None, overdensity,
-                with_status, grow)
+    return _run(
+        pos, box_size, k, mass, mesh, query, config, "density", None, overdensity, with_status, grow
+    )
 
 
-def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | None = None,
-              query=None, query_valid=None, reduce: Callable | None = None,
-              config: KNNConfig = KNNConfig(), n0: int | None = None, independent_axes=()):
+def knn_local(
+    particles: Particles,
+    k: int,
+    *,
+    axes=(None, None),
+    total: int | None = None,
+    query=None,
+    query_valid=None,
+    reduce: Callable | None = None,
+    config: KNNConfig = KNNConfig(),
+    n0: int | None = None,
+    independent_axes=(),
+):
     """kNN on one device's particles, for use inside the caller's own ``shard_map``.
 
     Args:
@@ -428,8 +517,11 @@ def knn_local(particles: Particles, k: int, *, axes=(None, None), total: int | N
     else:
         query = jnp.asarray(real_floats(query, "query points"))
         query = query.reshape(-1, 3).astype(particles.pos.dtype)
-        qvalid = (jnp.ones(query.shape[0], bool) if query_valid is None
-                  else jnp.asarray(query_valid, bool).reshape(-1))
+        qvalid = (
+            jnp.ones(query.shape[0], bool)
+            if query_valid is None
+            else jnp.asarray(query_valid, bool).reshape(-1)
+        )
         step = query_step(plan, spec, query, qvalid, query.shape[0])
     decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
     outputs, _ = analyse(decomposition, domain, {"knn": step})
@@ -446,26 +538,37 @@ def knn_on_plan(plan: Plan, decomposition: Decomposition, k: int, config: KNNCon
     spec = _Spec(int(k), config, "neighbours", None, False)
     nb, status, _ = _neighbours(plan, decomposition, spec, mass=mass)
     dist = neighbour_distances(decomposition.migrated.payload["pos"], nb, plan.pencils.box_size)
-    result = {"dist": dist, "idx": jnp.where(nb.ok[:, None], nb.id, -1),
-              "neighbour_mass": _masked_mass(nb), "ok": nb.ok}
+    result = {
+        "dist": dist,
+        "idx": jnp.where(nb.ok[:, None], nb.id, -1),
+        "neighbour_mass": _masked_mass(nb),
+        "ok": nb.ok,
+    }
     return result, status
 
 
-def knn_density_on_plan(plan: Plan, decomposition: Decomposition, k: int, config: KNNConfig,
-                        equal_masses: bool = False):
+def knn_density_on_plan(
+    plan: Plan, decomposition: Decomposition, k: int, config: KNNConfig, equal_masses: bool = False
+):
     """``(density, status)``: kNN density of a decomposition's owned rows (their migrated
     ``mass``), ghost layer ``plan.width``. ``equal_masses`` (every particle has the same
     mass) keeps only the k-th neighbour of each row, with the same values."""
     spec = _Spec(int(k), config, "density", None, False, kth_only=bool(equal_masses))
     nb, status, _ = _neighbours(plan, decomposition, spec)
-    rho = knn_density_of(decomposition.migrated.payload["pos"], nb, spec.k,
-                         plan.pencils.box_size)
+    rho = knn_density_of(decomposition.migrated.payload["pos"], nb, spec.k, plan.pencils.box_size)
     return rho, status
 
 
-def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int,
-                         width: float | None = None, *, mass=None,
-                         config: KNNConfig = KNNConfig(), n0: int):
+def knn_on_decomposition(
+    pencils: Pencils,
+    decomposition: Decomposition,
+    k: int,
+    width: float | None = None,
+    *,
+    mass=None,
+    config: KNNConfig = KNNConfig(),
+    n0: int,
+):
     """kNN of the owned particles of a shared :class:`~jaxpm_halos.core.domain.Decomposition`.
 
     ``width`` (box units) is the ghost layer the search trusts: by default the layer the
@@ -486,8 +589,9 @@ def knn_on_decomposition(pencils: Pencils, decomposition: Decomposition, k: int,
         width = decomposition.width
     mig = decomposition.migrated
     if mass is None:
-        mass = mig.payload.get("mass", jnp.ones(mig.payload["id"].shape, decomposition.ext.pos.dtype))
-    mass = jnp.broadcast_to(jnp.asarray(mass, decomposition.ext.pos.dtype),
-                            mig.payload["id"].shape)
+        mass = mig.payload.get(
+            "mass", jnp.ones(mig.payload["id"].shape, decomposition.ext.pos.dtype)
+        )
+    mass = jnp.broadcast_to(jnp.asarray(mass, decomposition.ext.pos.dtype), mig.payload["id"].shape)
     plan = Plan(pencils, config.domain, int(n0), float(width))
     return knn_on_plan(plan, decomposition, k, config, mass)

@@ -34,12 +34,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core import control
-from ..core.cells import (CellGrid, _x64, column_start, saturating_cumsum, search_columns,
-                     sort_columns, z_order)
+from ..core.cells import (
+    CellGrid,
+    _x64,
+    column_start,
+    saturating_cumsum,
+    search_columns,
+    sort_columns,
+    z_order,
+)
 from ..core.config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
 from ..core.domain import Decomposition, common_mass, pmax_all, psum_all, selection
-from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.geometry import periodic_distance2, wrap
+from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.layout import Pencils
 from ..core.pipeline import Plan, Step
 from ..core.status import Limit, Status
@@ -63,14 +70,19 @@ def radius_limit(radius: float, pencils: Pencils) -> Limit:
     most :func:`largest_radius`."""
     box = pencils.box_size
     scale = 1000.0 / box
-    return Limit(SO_RADIUS, math.ceil(radius * scale), scale, most=largest_radius(pencils),
-                 searched=True,
-                 beyond="a third of the box and the narrower pencil side of the mesh. Some "
-                 "centre's enclosed density is still above the threshold there: a threshold "
-                 "at or below the mean density may never be reached (SO thresholds are densities "
-                 "in mass per volume, e.g. 200 times the mean: see jaxpm_halos.units), or the "
-                 "halo is too large for this box (on a mesh, fewer devices along its narrow "
-                 "axis allow a larger radius)")
+    return Limit(
+        SO_RADIUS,
+        math.ceil(radius * scale),
+        scale,
+        most=largest_radius(pencils),
+        searched=True,
+        beyond="a third of the box and the narrower pencil side of the mesh. Some "
+        "centre's enclosed density is still above the threshold there: a threshold "
+        "at or below the mean density may never be reached (SO thresholds are densities "
+        "in mass per volume, e.g. 200 times the mean: see jaxpm_halos.units), or the "
+        "halo is too large for this box (on a mesh, fewer devices along its narrow "
+        "axis allow a larger radius)",
+    )
 
 
 def largest_radius(pencils: Pencils) -> float:
@@ -100,8 +112,15 @@ def _frame(plan: Plan, decomposition: Decomposition, mass):
     lo, _ = pencils.bounds()
     origin = jnp.stack([lo[0] - width, lo[1] - width, jnp.float32(-width)]).astype(local.dtype)
     wx, wy = pencils.widths
-    frame = _Frame(local, pick(ext.pos), pick(ext_mass), valid, origin, z_order(local, valid),
-                   (wx + 2 * width, wy + 2 * width))
+    frame = _Frame(
+        local,
+        pick(ext.pos),
+        pick(ext_mass),
+        valid,
+        origin,
+        z_order(local, valid),
+        (wx + 2 * width, wy + 2 * width),
+    )
     return frame, need_images
 
 
@@ -125,8 +144,11 @@ def _windows(frame: _Frame, centres, reach: float):
     start = search_columns(cols.z, lo, hi, z - reach, False)
     end = jnp.maximum(search_columns(cols.z, lo, hi, z + reach, True), start)
     shape = cx.shape
-    return (cols, jnp.where(inside, start.reshape(shape), 0),
-            jnp.where(inside, end.reshape(shape), 0))
+    return (
+        cols,
+        jnp.where(inside, start.reshape(shape), 0),
+        jnp.where(inside, end.reshape(shape), 0),
+    )
 
 
 def _segment_cumsum(values, starts):
@@ -164,15 +186,20 @@ def _by_centre_and_distance(centre, d2, mass):
         return lax.sort((centre, d2, mass), num_keys=2)
     with _x64():
         bits = lax.bitcast_convert_type(d2, int32).astype(jnp.int64)
-        packed, mass = lax.sort((jnp.left_shift(centre.astype(jnp.int64), 32) | bits, mass),
-                                num_keys=1)
+        packed, mass = lax.sort(
+            (jnp.left_shift(centre.astype(jnp.int64), 32) | bits, mass), num_keys=1
+        )
         low = (packed & 0xFFFFFFFF).astype(int32)  # non-negative float bits: below 2**31
-        return (jnp.right_shift(packed, 32).astype(int32),
-                lax.bitcast_convert_type(low, d2.dtype), mass)
+        return (
+            jnp.right_shift(packed, 32).astype(int32),
+            lax.bitcast_convert_type(low, d2.dtype),
+            mass,
+        )
 
 
-def _batch(frame: _Frame, level: _Level, batch, centres, density, common, box: float,
-           pairs: int) -> _Batch:
+def _batch(
+    frame: _Frame, level: _Level, batch, centres, density, common, box: float, pairs: int
+) -> _Batch:
     """Profiles of the ``batch`` centres from their candidates at ``level`` (at most
     ``pairs``); ``common`` is :func:`~jaxpm_halos.core.domain.common_mass` of the particles."""
     order, starts, ends = level.order, level.starts, level.ends
@@ -183,8 +210,9 @@ def _batch(frame: _Frame, level: _Level, batch, centres, density, common, box: f
     live = t < cum[-1]
     flat = jnp.minimum(jnp.searchsorted(cum, t, side="right").astype(int32), cum.shape[0] - 1)
     centre = flat // starts.shape[1]
-    row = order[jnp.minimum(starts.reshape(-1)[flat] + t - (cum[flat] - lengths[flat]),
-                            order.shape[0] - 1)]
+    row = order[
+        jnp.minimum(starts.reshape(-1)[flat] + t - (cum[flat] - lengths[flat]), order.shape[0] - 1)
+    ]
     d2 = periodic_distance2(frame.canon[row], centres[centre], box)  # (P,)
     inside = live & frame.valid[row] & (d2 <= level.radius2)
     key, d2, m = _by_centre_and_distance(jnp.where(inside, centre, h), d2, frame.mass[row])
@@ -225,14 +253,16 @@ def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _
         r = radius / 2 ** (levels - 1 - level)
         cols, starts, ends = _windows(frame, centres, search_width(r, box))
         # Python float64 constants rounded once to the frame's dtype, as a literal would be.
-        volume = _FOUR_THIRDS_PI * r ** 3
-        stacked.append(_Level(jnp.asarray(r * r, dtype), jnp.asarray(volume, dtype), cols.order,
-                              starts, ends))
+        volume = _FOUR_THIRDS_PI * r**3
+        stacked.append(
+            _Level(jnp.asarray(r * r, dtype), jnp.asarray(volume, dtype), cols.order, starts, ends)
+        )
     return jax.tree.map(lambda *a: jnp.stack(a), *stacked)  # (L, ...)
 
 
-def _search(frame: _Frame, level: _Level, centres, pending, density, common, box: float,
-            pairs: int, mass):
+def _search(
+    frame: _Frame, level: _Level, centres, pending, density, common, box: float, pairs: int, mass
+):
     """One search radius for the ``pending`` centres, in batches that fit ``pairs``.
 
     Returns ``(mass, done, need_pairs)``: masses updated where resolved, the centres
@@ -254,19 +284,29 @@ def _search(frame: _Frame, level: _Level, centres, pending, density, common, box
         result = control.cond(
             jnp.max(jnp.where(batch, cum, 0)) <= small,
             lambda: _batch(frame, level, batch, centres, density, common, box, small),
-            lambda: _batch(frame, level, batch, centres, density, common, box, pairs))
+            lambda: _batch(frame, level, batch, centres, density, common, box, pairs),
+        )
         resolved = batch & jnp.all(result.found, axis=1)
         mass = jnp.where(resolved[:, None], result.mass, mass)
         return todo & ~batch, mass, done | resolved
 
-    _, mass, done = control.while_loop(lambda s: jnp.any(s[0]), body,
-                                       (todo, mass, jnp.zeros_like(pending)))
+    _, mass, done = control.while_loop(
+        lambda s: jnp.any(s[0]), body, (todo, mass, jnp.zeros_like(pending))
+    )
     return mass, done, need
 
 
-def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centre_valid,
-                        density, config: SOConfig, radius: float, mass=None,
-                        centre_limit: Limit | None = None):
+def so_on_decomposition(
+    plan: Plan,
+    decomposition: Decomposition,
+    centres,
+    centre_valid,
+    density,
+    config: SOConfig,
+    radius: float,
+    mass=None,
+    centre_limit: Limit | None = None,
+):
     """SO masses and radii about ``centres`` (H, 3), replicated on every device.
 
     ``plan.width`` must be at least :func:`search_width` of ``radius``; ``density`` is
@@ -305,25 +345,32 @@ def so_on_decomposition(plan: Plan, decomposition: Decomposition, centres, centr
     def search(index, state):
         result, pending, need_pairs = state
         level = jax.tree.map(lambda a: a[index], levels)
-        result, done, need = _search(frame, level, local, pending, density, common, box,
-                                     pairs, result)
+        result, done, need = _search(
+            frame, level, local, pending, density, common, box, pairs, result
+        )
         return result, pending & ~done, jnp.maximum(need_pairs, need)
 
     result, pending, need_pairs = control.fori_loop(
-        0, config.levels, search, (result, jnp.arange(rows) < need_centres, jnp.int32(0)))
+        0, config.levels, search, (result, jnp.arange(rows) < need_centres, jnp.int32(0))
+    )
     result = jnp.where(pending[:, None], jnp.nan, result)
-    scattered = jnp.zeros((centres.shape[0], density.shape[0]), result.dtype).at[picked].set(
-        result, mode="drop")
+    scattered = (
+        jnp.zeros((centres.shape[0], density.shape[0]), result.dtype)
+        .at[picked]
+        .set(result, mode="drop")
+    )
     # A non-finite centre is searched by no device: NaN, not M = R = 0, which would read as
     # "below the threshold at once".
-    so_mass = jnp.where((centre_valid & ~finite)[:, None], jnp.nan,
-                        psum_all(pencils, scattered))
+    so_mass = jnp.where((centre_valid & ~finite)[:, None], jnp.nan, psum_all(pencils, scattered))
     so_radius = jnp.cbrt(3 * so_mass / (4 * math.pi * density[None, :]))
     unresolved = psum_all(pencils, jnp.sum(pending, dtype=int32))
     status = _status(plan, config, radius, need_images, need_pairs, unresolved)
     if centre_limit is not None:
-        status = Status(pmax_all(pencils, {"so centres": need_centres}), jnp.int32(0),
-                        (("so centres", centre_limit),)).merge(status)
+        status = Status(
+            pmax_all(pencils, {"so centres": need_centres}),
+            jnp.int32(0),
+            (("so centres", centre_limit),),
+        ).merge(status)
     return so_mass, so_radius, status
 
 
@@ -333,8 +380,11 @@ def _status(plan: Plan, config: SOConfig, radius: float, need_images, need_pairs
     need_radius = jnp.where(unresolved > 0, 2 * reach.rows, reach.rows).astype(int32)
     images = plan.status({"so z images": need_images}, {"so z images": IMAGES})
     pairs = Limit(SO_PAIRS, config.pair_rows(plan.n0), plan.n0)
-    own = Status(pmax_all(plan.pencils, {"so pairs": need_pairs, "so radius": need_radius}),
-                 jnp.int32(0), (("so pairs", pairs), ("so radius", reach)))
+    own = Status(
+        pmax_all(plan.pencils, {"so pairs": need_pairs, "so radius": need_radius}),
+        jnp.int32(0),
+        (("so pairs", pairs), ("so radius", reach)),
+    )
     return images.merge(own)
 
 
@@ -342,8 +392,9 @@ def so_step(plan: Plan, centres, centre_valid, density, config: SOConfig, radius
     """The SO primitive as a pipeline step (replicated outputs)."""
 
     def run(decomposition):
-        mass, so_radius, status = so_on_decomposition(plan, decomposition, centres,
-                                                      centre_valid, density, config, radius)
+        mass, so_radius, status = so_on_decomposition(
+            plan, decomposition, centres, centre_valid, density, config, radius
+        )
         return {"mass": mass, "radius": so_radius, "status": status}
 
     return Step(run, "replicated")

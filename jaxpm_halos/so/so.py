@@ -28,7 +28,6 @@ from ..core.particles import _check_integer, real_floats
 from ..core.pipeline import JitProgram, on_device, plan_for, run_sharded
 from ..core.retry import run_growing
 from ..core.status import is_traced, refuse_nonfinite_points
-
 from ._search import largest_radius, search_width, so_step
 
 
@@ -38,13 +37,17 @@ def check_radius(radius: float, box_size: float, pencils: Pencils) -> float:
     if not radius > 0 or not math.isfinite(radius):
         raise ValueError(f"SOConfig(radius={radius!r}): the SO search radius must be positive")
     if 3 * radius >= box_size:
-        raise ValueError(f"SOConfig(radius={radius:g}): the SO search radius must stay below a "
-                         f"third of the box ({box_size:g})")
+        raise ValueError(
+            f"SOConfig(radius={radius:g}): the SO search radius must stay below a "
+            f"third of the box ({box_size:g})"
+        )
     narrowest = min(pencils.widths)
     if search_width(radius, box_size) > narrowest:
-        raise ValueError(f"SOConfig(radius={radius:g}): the SO search radius is the ghost layer "
-                         f"and must fit in a pencil ({narrowest:g}) of the ({pencils.px}, "
-                         f"{pencils.py}) mesh; use fewer devices along that axis")
+        raise ValueError(
+            f"SOConfig(radius={radius:g}): the SO search radius is the ghost layer "
+            f"and must fit in a pencil ({narrowest:g}) of the ({pencils.px}, "
+            f"{pencils.py}) mesh; use fewer devices along that axis"
+        )
     return radius
 
 
@@ -107,13 +110,26 @@ def _count_nonfinite_centres(out: dict, centres) -> dict:
     status counts it as non-finite input."""
     bad = ~jnp.all(jnp.isfinite(centres), axis=1)  # (H,)
     status = out["status"]
-    return dict(out, status=dataclasses.replace(status, nonfinite=status.nonfinite
-                                                + jnp.sum(bad, dtype=jnp.int32)))
+    return dict(
+        out,
+        status=dataclasses.replace(
+            status, nonfinite=status.nonfinite + jnp.sum(bad, dtype=jnp.int32)
+        ),
+    )
 
 
-def spherical_overdensity(pos, centres, *, box_size=None, density, mass=None, mesh=None,
-                          config: SOConfig | None = None, with_status: bool = False,
-                          grow: bool = True):
+def spherical_overdensity(
+    pos,
+    centres,
+    *,
+    box_size=None,
+    density,
+    mass=None,
+    mesh=None,
+    config: SOConfig | None = None,
+    with_status: bool = False,
+    grow: bool = True,
+):
     """Spherical-overdensity radii and masses about given centres, periodic and exact.
 
     For each centre, the particles (all of them, not only a group's members) are sorted by

@@ -105,7 +105,7 @@ def so_reference(pos, centres, box, density, mass, knife=None):
         order = np.argsort(r, kind="stable")
         r, m = r[order], mass[order]
         within = np.cumsum(m)
-        volume = 4 / 3 * np.pi * r ** 3
+        volume = 4 / 3 * np.pi * r**3
         close = (np.abs(np.diff(r, append=np.inf)) <= tol * r) & (r > 0)
         swing = np.abs(np.diff(m, append=m[-1]))  # what swapping a close pair adds to within
         for k, rho in enumerate(density):
@@ -115,5 +115,5 @@ def so_reference(pos, centres, box, density, mass, knife=None):
             out[h, k] = within[first - 1] if first > 0 else 0.0
             gap = np.abs(within - rho * volume)
             flips = (gap <= tol * within) | (close & (gap <= swing + tol * within))
-            edge[h, k] = np.any(flips[:first + 1])
+            edge[h, k] = np.any(flips[: first + 1])
     return out if knife is None else (out, edge)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from . import make_mesh
 
@@ -74,12 +75,14 @@ def cache_dir() -> Path:
 
 def cache_path(nc, box, steps, seed, mesh_shape) -> Path:
     px, py = mesh_shape
-    return cache_dir() / (f"jaxpm_nc{nc}_box{box:g}_steps{steps}_seed{seed}_mesh{px}x{py}"
-                          f"_v{CACHE_VERSION}.npz")
+    return cache_dir() / (
+        f"jaxpm_nc{nc}_box{box:g}_steps{steps}_seed{seed}_mesh{px}x{py}_v{CACHE_VERSION}.npz"
+    )
 
 
-def jaxpm_snapshot(nc: int, box: float, steps: int, seed: int = 0, mesh_shape=(2, 4),
-                   use_cache: bool = True) -> Snapshot:
+def jaxpm_snapshot(
+    nc: int, box: float, steps: int, seed: int = 0, mesh_shape=(2, 4), use_cache: bool = True
+) -> Snapshot:
     """The z = 0 state of a distributed JaxPM run, from the disk cache when available.
 
     JaxPM draws a different random field on a different mesh, so the mesh is part of the
@@ -106,10 +109,22 @@ def jaxpm_snapshot(nc: int, box: float, steps: int, seed: int = 0, mesh_shape=(2
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
             np.savez(tmp, disp=disp, mom=mom, a=a, omega_m=omega_m, halo_size=halo_size)
             os.replace(tmp, path)
-    return Snapshot(disp=disp, mom=mom, disp_sharded=jax.device_put(disp, sharding),
-                    mom_sharded=jax.device_put(mom, sharding), mesh=mesh, nc=nc,
-                    box_size=float(box), steps=steps, seed=seed, a=a, omega_m=omega_m,
-                    halo_size=halo_size, seconds=time.perf_counter() - t, cached=cached)
+    return Snapshot(
+        disp=disp,
+        mom=mom,
+        disp_sharded=jax.device_put(disp, sharding),
+        mom_sharded=jax.device_put(mom, sharding),
+        mesh=mesh,
+        nc=nc,
+        box_size=float(box),
+        steps=steps,
+        seed=seed,
+        a=a,
+        omega_m=omega_m,
+        halo_size=halo_size,
+        seconds=time.perf_counter() - t,
+        cached=cached,
+    )
 
 
 def snapshot_particles(nc: int, box: float, steps: int, mesh_shape=(2, 4)):
@@ -136,9 +151,11 @@ def main(argv=None):
     if args.force:
         cache_path(args.nc, args.box, args.steps, args.seed, (2, 4)).unlink(missing_ok=True)
     snap = jaxpm_snapshot(args.nc, args.box, args.steps, args.seed)
-    print(f"{cache_path(args.nc, args.box, args.steps, args.seed, (2, 4))}: "
-          f"{'loaded' if snap.cached else 'computed'} in {snap.seconds:.1f} s, "
-          f"halo_size {snap.halo_size}, |disp| max {np.abs(snap.disp).max():.2f} cells")
+    print(
+        f"{cache_path(args.nc, args.box, args.steps, args.seed, (2, 4))}: "
+        f"{'loaded' if snap.cached else 'computed'} in {snap.seconds:.1f} s, "
+        f"halo_size {snap.halo_size}, |disp| max {np.abs(snap.disp).max():.2f} cells"
+    )
     return 0
 
 
