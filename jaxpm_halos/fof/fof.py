@@ -384,10 +384,10 @@ def fof(
       (it covers every buffer the result depends on), or thread a runtime check with
       ``labels = catalogue.status.error_if(labels, config)``.
 
-    Example:
+    Examples:
         Two clumps of 25 particles among 462 uniform ones in a 10 Mpc/h box, sharded over
         a ``(2, 4)`` mesh (on a CPU, give Python 8 devices first with
-        ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
+        ``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
 
         >>> import jax, numpy as np
         >>> import jaxpm_halos

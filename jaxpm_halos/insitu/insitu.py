@@ -80,10 +80,10 @@ class InSitu:
     mean-position test of :func:`jaxpm_halos.insitu.jaxpm.check_state_positions`); inside
     ``jit`` it cannot be checked.
 
-    Example:
+    Examples:
         The analyses on one JaxPM state ``(displacements, momenta)`` of 16^3 particles in
         a 32 Mpc/h box, sharded as JaxPM shards it (in a run, pass
-        ``saveat=insitu.saveat(ts=[0.5, 1.0])`` to ``diffrax.diffeqsolve`` instead)::
+        ``saveat=insitu.saveat(ts=[0.5, 1.0])`` to ``diffrax.diffeqsolve`` instead):
 
         >>> import jax, numpy as np
         >>> import jaxpm_halos

@@ -442,8 +442,8 @@ def knn_density(
     when the k - 1 nearest are massless. Other arguments and the rows left NaN inside
     ``jit`` as :func:`knn`.
 
-    Example:
-        Unit masses spread uniformly over a 10 Mpc/h box, sharded over a ``(2, 4)`` mesh::
+    Examples:
+        Unit masses spread uniformly over a 10 Mpc/h box, sharded over a ``(2, 4)`` mesh:
 
         >>> import jax, numpy as np
         >>> import jaxpm_halos

@@ -169,9 +169,9 @@ def spherical_overdensity(
       Not differentiable: membership of a sphere is a discrete choice (gradients are
       zero with respect to positions, masses, ``density`` and ``centres``).
 
-    Example:
+    Examples:
         M200 about the centre of a clump of 50 unit masses, among 462 uniform ones in a
-        10 Mpc/h box::
+        10 Mpc/h box:
 
         >>> import jax, numpy as np
         >>> import jaxpm_halos
