@@ -611,7 +611,7 @@ def test_an_analysis_registered_again_runs_its_new_function():
 def test_names_that_would_shadow_results_or_built_ins_are_refused(name):
     with pytest.raises(ValueError, match="name"):
         register(name)(lambda snap: snap.particles.pos[:, 0])
-    assert name not in REGISTRY or REGISTRY[name].run.__module__ == "jaxpm_halos.extension"
+    assert name not in REGISTRY or REGISTRY[name].run.__module__ == "jaxpm_halos.insitu.registry"
 
 
 def test_snapshot_knn_equals_ckdtree_on_a_thin_ghost_layer():
