@@ -43,6 +43,7 @@ sys.path.insert(0, str(HERE))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import tables  # noqa: E402
 from run import MIN_MEMBERS, B, canonical, min_time, scipy_fof, timed, uniform_points  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
 
@@ -283,26 +284,6 @@ def hlo_source(hlo, kernel):
     return ""
 
 
-def table(rows):
-    lines = [
-        "| N | data | FoF jaxpm_halos (s) | FoF jz-tree (s) | ratio | kNN k=16 jaxpm_halos (s) "
-        "| kNN jz-tree (s) | ratio | jaxpm_halos FoF / kNN (Mpart/s) | jz-tree FoF / kNN "
-        "(Mpart/s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if r["kind"] not in ("jaxpm", "uniform") or "knn" not in r:
-            continue
-        m = r["n"] / 1e6
-        lines.append(
-            f"| {r['size']}^3 | {r['kind']} | {r['fof']:.4f} | {r['jz_fof']:.4f} | "
-            f"{r['fof'] / r['jz_fof']:.2f} | {r['knn']:.4f} | {r['jz_knn']:.4f} | "
-            f"{r['knn'] / r['jz_knn']:.2f} | {m / r['fof']:.3g} / {m / r['knn']:.3g} | "
-            f"{m / r['jz_fof']:.3g} / {m / r['jz_knn']:.3g} |"
-        )
-    return "\n".join(lines)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
@@ -349,7 +330,7 @@ def main(argv=None):
             knn_sweep(nc, y, rows)
         Path(args.out).write_text(json.dumps(rows, indent=1))
         del y
-    print(table(rows))
+    print("\n".join(tables.gpu_lines(rows, jax.devices()[0].device_kind)))
 
 
 if __name__ == "__main__":

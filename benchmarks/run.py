@@ -43,13 +43,16 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # tables.py, when this file is loaded by path
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import tables  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
+from tables import KEEP_BELOW, KNN_KS, RECIPE, RECIPE_SAVES  # noqa: E402
 
 import jaxpm_halos as jh  # noqa: E402
 from jaxpm_halos.testing.reference import fof_components as scipy_fof  # noqa: E402
@@ -58,10 +61,6 @@ from jaxpm_halos.testing.reference import smallest_member_labels as canonical  #
 B = 0.2
 MIN_MEMBERS = 20
 REPEATS = 3
-KNN_KS = (8, 16, 32)
-# The in-situ recipe of docs/insitu.md (issue #19): 64^3 in 128 Mpc/h, 10 LeapfrogMidpoint steps.
-RECIPE = dict(nc=64, box=128.0, steps=10)
-RECIPE_SAVES = ((1.0,), (0.5, 1.0), (0.2, 0.4, 0.6, 0.8, 1.0))
 
 
 def mesh_of(shape):
@@ -446,247 +445,41 @@ def machine():
     )
 
 
-# What the issues ask of the figures. FoF against scipy on 8 devices: (size, ratio limit).
-FOF_LIMITS = ((64, 3.0), (128, 2.0))
-# kNN density against cKDTree(k + 1) on JaxPM snapshots, 8 devices, 64^3 and 128^3 (#19).
-KNN_LIMITS = {16: 1.0, 8: 1.2, 32: 1.2}
-KNN_SIZES = (64, 128)
-COMPILE_LIMIT = 30.0
-MEMORY_LIMITS = {"fof": 1024, "knn_density k=16": 2048}  # warm peak RSS, B/particle
-KNN_TEMP_LIMIT = 400  # XLA temporaries of knn_density k=16, B/particle, 64^3 and 128^3 (#19)
-INSITU_LIMIT = 6.0  # PM steps per snapshot through InSitu.saveat, the recipe (#19)
-SOLVE_MEMORY_LIMIT = 1.3  # the recipe's solve temporaries with / without the analyses (#19)
-# run.py rewrites the report above this line and keeps the hand-written analysis below it.
-KEEP_BELOW = "<!-- run.py keeps everything below this line -->"
-
-
-def _verdict(ok):
-    return "met" if ok else "**missed**"
-
-
-def target_rows(rows, memory, solve_mem):
-    """The targets table of this run: (target, measured, status) per target, with
-    "not measured" where this run has no figure for it."""
-
-    def find(size, what, kind="jaxpm", where="8 dev (2,4)"):
-        return next(
-            (
-                r
-                for r in rows
-                if (r["size"], r["kind"], r["what"], r["where"]) == (size, kind, what, where)
-            ),
-            None,
-        )
-
-    def ratio(r):
-        return r["warm"] / r["ref_time"]
-
-    def row(target, found, limit, unit="x", digits=2):
-        """found: (label, figure, detail) triples."""
-        if not found:
-            return target, "not measured", "-"
-        figures = "; ".join(
-            f"{label}: {fig:.{digits}f}{unit} ({detail})" for label, fig, detail in found
-        )
-        return target, figures, _verdict(max(fig for _, fig, _ in found) <= limit)
-
-    out = []
-    for size, limit in FOF_LIMITS:
-        found = [
-            (kind, ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
-            for kind in ("jaxpm", "uniform")
-            if (r := find(size, "fof", kind))
-        ]
-        out.append(row(f"FoF {size}^3, 8 devices: <= {limit:g}x scipy", found, limit))
-    for k, limit in KNN_LIMITS.items():
-        found = [
-            (f"{size}^3", ratio(r), f"{r['warm']:.3f} / {r['ref_time']:.3f} s")
-            for size in KNN_SIZES
-            if (r := find(size, f"knn_density k={k}"))
-        ]
-        out.append(
-            row(
-                f"kNN density k={k}, JaxPM snapshots, 8 devices: <= {limit:g}x cKDTree",
-                found,
-                limit,
-            )
-        )
-    compile_rows = [r for r in rows if "saveat" not in r["what"]]
-    if compile_rows:
-        worst = max(compile_rows, key=lambda r: r["first"] - r["warm"])
-        out.append(
-            (
-                f"compile <= {COMPILE_LIMIT:g} s per function",
-                f"at most {worst['first'] - worst['warm']:.1f} s ({worst['what']}, "
-                f"{worst['size']}^3, {worst['where']})",
-                _verdict(worst["first"] - worst["warm"] <= COMPILE_LIMIT),
-            )
-        )
-    else:
-        out.append((f"compile <= {COMPILE_LIMIT:g} s per function", "not measured", "-"))
-    for what, limit in MEMORY_LIMITS.items():
-        found = [
-            (f"{nc}^3", warm / nc**3, "warm RSS")
-            for (nc, w), (_, warm, *_) in sorted(memory.items())
-            if w == what
-        ]
-        out.append(row(f"warm peak memory of {what} <= {limit} B/particle", found, limit, " B", 0))
-    found = [
-        (f"{nc}^3", own / nc**3, f"XLA temp; {temp / nc**3:.0f} B in a plain jit")
-        for (nc, w), (_, _, temp, own) in sorted(memory.items())
-        if w == "knn_density k=16" and nc in KNN_SIZES
-    ]
-    out.append(
-        row(
-            f"XLA temporaries of knn_density k=16 <= {KNN_TEMP_LIMIT} B/particle",
-            found,
-            KNN_TEMP_LIMIT,
-            " B",
-            0,
-        )
-    )
-    found = [
-        (f"{len(ts)} snapshot(s)", ratio(r), f"{r['warm']:.3f} s / {r['ref_time']:.3f} s")
-        for ts in RECIPE_SAVES
-        if (
-            r := find(
-                RECIPE["nc"], f"in-situ saveat fof+knn_density k=16, per snapshot of {len(ts)}"
-            )
-        )
-    ]
-    out.append(
-        row(
-            f"in situ, the recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps) through "
-            f"InSitu.saveat: FoF + kNN density k=16 <= {INSITU_LIMIT:g} PM steps per "
-            "snapshot",
-            found,
-            INSITU_LIMIT,
-            " PM steps",
-            1,
-        )
-    )
-    n = RECIPE["nc"] ** 3
-    found = [
-        (where, on / off, f"{off / n:.0f} -> {on / n:.0f} B/particle")
-        for where, (off, on) in solve_mem.items()
-    ]
-    out.append(
-        row(
-            f"the recipe's solve temporaries with FoF + kNN density <= "
-            f"{SOLVE_MEMORY_LIMIT:g}x without",
-            found,
-            SOLVE_MEMORY_LIMIT,
-        )
-    )
-    out.append(growth_row(rows, find))
-    return out
-
-
-def growth_row(rows, find):
-    sizes = sorted({r["size"] for r in rows})
-    target = "growth from the smallest to the largest size no worse than N log N"
-    if len(sizes) < 2:
-        return target, "not measured (one size)", "-"
-    lo, hi = sizes[0], sizes[-1]
-    n_lo, n_hi = lo**3, hi**3
-    nlogn = n_hi * np.log(n_hi) / (n_lo * np.log(n_lo))
-    whats = ("fof",) + tuple(f"knn_density k={k}" for k in KNN_KS)
-    growth = [
-        (w, b["warm"] / a["warm"])
-        for w in whats
-        if (a := find(lo, w)) is not None and (b := find(hi, w)) is not None
-    ]
-    figures = ", ".join(f"{w} x{g:.0f}" for w, g in growth)
-    return (
-        target,
-        f"{lo}^3 -> {hi}^3, JaxPM snapshots: {figures}; N log N x{nlogn:.0f}",
-        _verdict(all(g <= nlogn for _, g in growth)),
-    )
-
-
-def report(rows, memory, solve_mem, path):
-    at = commit()
-    lines = [
-        "# jaxpm_halos benchmark results",
-        "",
-        f"Measured {datetime.date.today()} on {machine()} by `python benchmarks/run.py`"
-        + (f" at {at}." if at else "."),
-        "Times are the minimum of several warm runs; ratios compare figures measured in "
-        "the same process. Every jaxpm_halos result was checked against its reference.",
-        "",
-        "First call: compilation plus one run; compile: first call minus the warm time.",
-        "",
-        "## Against the targets",
-        "",
-        "Every figure comes from this run. Where a target is missed, the cause found by "
-        "profiling is written by hand after the generated tables (run.py keeps that part).",
-        "",
-        "| target | measured | status |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {t} | {m} | {v} |" for t, m, v in target_rows(rows, memory, solve_mem)]
-    if rows:
-        lines += [
-            "",
-            "## All timings",
-            "",
-            "| N | data | analysis | devices | jaxpm_halos (s) | reference | ref (s) | "
-            "ratio | kdcount (s) | first call (s) | compile (s) | halos |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-    for r in rows:
-        lines.append(
-            f"| {r['size']}^3 | {r['kind']} | {r['what']} | {r['where']} | "
-            f"{r['warm']:.3f} | {r['ref']} | {r['ref_time']:.3f} | "
-            f"{r['warm'] / r['ref_time']:.2f} | {r.get('kdcount', float('nan')):.3f} | "
-            f"{r['first']:.1f} | {r['first'] - r['warm']:.1f} | {r.get('halos', '')} |"
-        )
-    if memory:
-        lines += [
-            "",
-            "## Peak memory (child process, peak RSS growth per particle)",
-            "",
-            "First call: compilation included. Warm call: the peak of a second call "
-            "(reset through /proc/self/clear_refs), i.e. the working memory of the "
-            "analysis with the particles already resident. XLA temp: the compiled "
-            "program's temporary buffers (per device, times the 8 devices), as the "
-            "call compiles it outside `jit` (on CPU with XLA's memory-minimising "
-            "scheduler), and inside a user's plain `jax.jit` (XLA:CPU's default, "
-            "concurrency-optimised scheduler).",
-            "",
-            "| N | analysis | first call (B/particle) | warm call (B/particle) | "
-            "XLA temp, own (B/particle) | XLA temp, plain jit (B/particle) |",
-            "|---|---|---|---|---|---|",
-        ]
-        for (nc, what), (first, warm, temp, own) in memory.items():
-            n = nc**3
-            lines.append(
-                f"| {nc}^3 | {what} | {first / n:.0f} | {warm / n:.0f} | "
-                f"{own / n:.0f} | {temp / n:.0f} |"
-            )
-    if solve_mem:
-        n = RECIPE["nc"] ** 3
-        lines += [
-            "",
-            "## The recipe's solve: XLA temporaries",
-            "",
-            f"The in-situ recipe ({RECIPE['nc']}^3, {RECIPE['steps']} steps), its "
-            "diffeqsolve alone compiled from a given state with one save time, with "
-            "`InSitu.saveat` (FoF + kNN density k=16) and with `SaveAt(ts=...)`; per "
-            "device times the devices.",
-            "",
-            "| devices | without (B/particle) | with (B/particle) | ratio |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {where} | {off / n:.0f} | {on / n:.0f} | {on / off:.2f} |"
-            for where, (off, on) in solve_mem.items()
-        ]
+def report(results, path):
+    """Write the run's figures to ``results.json`` beside ``path``, and its tables to the top
+    of ``path`` (RESULTS.md), keeping what is written below :data:`tables.KEEP_BELOW`."""
     path = Path(path)
+    lines = ["# jaxpm_halos benchmark results", "", *tables.report_lines(results)]
     kept = path.read_text().partition(KEEP_BELOW)[2] if path.is_file() else ""
-    path.write_text(
-        "\n".join(lines) + "\n\n" + KEEP_BELOW + kept if kept else "\n".join(lines) + "\n"
-    )
+    path.write_text("\n".join(lines) + ("\n\n" + KEEP_BELOW + kept if kept else "\n"))
+    if path.name == "RESULTS.md":
+        path.with_name("results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+def results_of(rows, memory, solve_mem):
+    """The run's figures as ``results.json`` holds them (:mod:`tables`): memory per
+    particle, in the order of the sizes."""
+    return {
+        "measured": str(datetime.date.today()),
+        "machine": machine(),
+        "commit": commit(),
+        "rows": rows,
+        "memory": [
+            dict(
+                nc=nc,
+                what=what,
+                first=first / nc**3,
+                warm=warm / nc**3,
+                own=own / nc**3,
+                plain_jit=temp / nc**3,
+            )
+            for (nc, what), (first, warm, temp, own) in sorted(memory.items())
+        ],
+        "solve_memory": [
+            {"where": where, "without": off / RECIPE["nc"] ** 3, "with": on / RECIPE["nc"] ** 3}
+            for where, (off, on) in solve_mem.items()
+        ],
+    }
 
 
 def plot(rows, path):
@@ -744,7 +537,7 @@ def main(argv=None):
             bench_so(nc, rows)
         if nc == RECIPE["nc"]:
             insitu_in_solve(rows)
-        report(rows, memory, solve_mem, args.out)
+        report(results_of(rows, memory, solve_mem), args.out)
     if not args.no_memory:
         if RECIPE["nc"] in args.sizes:
             solve_mem = solve_memory()
@@ -752,11 +545,10 @@ def main(argv=None):
             for what in MEMORY_CHILDREN:
                 memory[(nc, what)] = child_memory(nc, what)
                 print(nc, what, memory[(nc, what)], flush=True)
-    report(rows, memory, solve_mem, args.out)
+    report(results_of(rows, memory, solve_mem), args.out)
     if args.memory_only:
         return
     plot(rows, Path(args.out).with_name("scaling.png"))
-    (Path(args.out).with_name("results.json")).write_text(json.dumps(rows, indent=1))
     print(Path(args.out).read_text())
 
 

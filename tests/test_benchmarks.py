@@ -1,19 +1,30 @@
-"""The benchmark report: targets judged from the run's own figures, hand-written part kept."""
+"""The benchmark report: targets judged from the run's own figures, hand-written part kept,
+and the figures stored in results.json render the same tables (the docs' performance page)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
-RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return _load("tables")
 
 
 @pytest.fixture(scope="module")
 def run():
-    spec = importlib.util.spec_from_file_location("benchmark_run", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("run")
 
 
 def _row(size, what, warm, ref_time, kind="jaxpm", where="8 dev (2,4)", first=None):
@@ -45,7 +56,7 @@ def _saveat(snapshots, per_snapshot, step, first=None):
     )
 
 
-def test_targets_follow_the_limits(run):
+def test_targets_follow_the_limits(tables):
     rows = [
         _row(64, "fof", 2.9, 1.0),
         _row(64, "fof", 3.1, 1.0, kind="uniform"),
@@ -57,14 +68,17 @@ def test_targets_follow_the_limits(run):
         _saveat(5, 0.7, 0.1),
         _row(32, "fof", 0.01, 1.0),
     ]
-    memory = {
-        (64, "fof"): (0, 1000 * 64**3, 0, 0),
-        (128, "fof"): (0, 1100 * 128**3, 0, 0),
-        (64, "knn_density k=16"): (0, 2000 * 64**3, 500 * 64**3, 390 * 64**3),
-        (32, "knn_density k=16"): (0, 0, 900 * 32**3, 900 * 32**3),
-    }
-    solve_mem = {"1 dev": (100, 120), "8 dev (2,4)": (100, 140)}
-    table = run.target_rows(rows, memory, solve_mem)
+    memory = [  # bytes per particle
+        dict(nc=32, what="knn_density k=16", first=0, warm=0, own=900, plain_jit=900),
+        dict(nc=64, what="fof", first=0, warm=1000, own=0, plain_jit=0),
+        dict(nc=64, what="knn_density k=16", first=0, warm=2000, own=390, plain_jit=500),
+        dict(nc=128, what="fof", first=0, warm=1100, own=0, plain_jit=0),
+    ]
+    solve = [
+        {"where": "1 dev", "without": 100, "with": 120},
+        {"where": "8 dev (2,4)", "without": 100, "with": 140},
+    ]
+    table = tables.target_rows(dict(rows=rows, memory=memory, solve_memory=solve))
     # The worst data kind decides: uniform FoF at 3.1x misses the 3x target.
     assert _status(table, "FoF 64^3")[1] == "**missed**"
     assert _status(table, "FoF 128^3")[1] == "met"
@@ -93,20 +107,30 @@ def test_targets_follow_the_limits(run):
     assert "32^3 -> 128^3" in figures and "fof x190" in figures and verdict == "**missed**"
 
 
-def test_nothing_measured_is_marked_not_judged(run):
-    table = run.target_rows([], {}, {})
+def test_nothing_measured_is_marked_not_judged(tables):
+    table = tables.target_rows({})
     assert all(verdict == "-" for _, _, verdict in table)
 
 
-def test_report_keeps_the_hand_written_part(run, tmp_path):
+def test_report_keeps_the_hand_written_part(run, tables, tmp_path):
     path = tmp_path / "RESULTS.md"
-    rows = [_saveat(1, 1.7, 0.1)]
-    run.report(rows, {}, {}, path)
-    assert run.KEEP_BELOW not in path.read_text()  # a fresh report has nothing to keep
-    path.write_text(path.read_text() + "\n" + run.KEEP_BELOW + "\n\n## Why\n\nprofiled.\n")
-    run.report([_saveat(1, 0.2, 0.1)], {}, {}, path)
-    text = path.read_text()
-    head, _, tail = text.partition(run.KEEP_BELOW)
+    results = dict(measured="2026-12-05", machine="a test", commit="", rows=[_saveat(1, 1.7, 0.1)])
+    run.report(results, path)
+    assert tables.KEEP_BELOW not in path.read_text()  # a fresh report has nothing to keep
+    path.write_text(path.read_text() + "\n" + tables.KEEP_BELOW + "\n\n## Why\n\nprofiled.\n")
+    run.report(dict(results, rows=[_saveat(1, 0.2, 0.1)]), path)
+    head, _, tail = path.read_text().partition(tables.KEEP_BELOW)
     assert tail == "\n\n## Why\n\nprofiled.\n"
     assert "1 snapshot(s): 2.0 PM steps (0.200 s / 0.100 s) | met" in head
     assert "17.0 PM steps" not in head
+    # results.json holds the figures the tables came from: rendered again, they are the same.
+    stored = json.loads(path.with_name("results.json").read_text())
+    assert "\n".join(tables.report_lines(stored)) in head
+
+
+def test_the_committed_results_render_the_committed_tables(tables):
+    """RESULTS.md's generated part is what tables.py makes of results.json (and so is the
+    docs' performance page)."""
+    results = json.loads((BENCH / "results.json").read_text())
+    head = (BENCH / "RESULTS.md").read_text().partition(tables.KEEP_BELOW)[0]
+    assert "\n".join(tables.report_lines(results)) in head
