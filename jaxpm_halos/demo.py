@@ -46,15 +46,30 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .pm import default_halo_size, refined_pm_ode
 from .simulation import (
     PM_FACTOR,
     SimulationResult,
     default_mesh_shape,
     demo_cosmology,
+    describe_layout,
     run_simulation,
     switchable_saveat_fn,
     use_host_devices,
 )
+
+# Scripts written before the driver left this module import these names from it.
+__all__ = [
+    "default_halo_size",
+    "describe_layout",
+    "main",
+    "refined_pm_ode",
+    "run_simulation",
+    "switchable_saveat_fn",
+    "use_host_devices",
+    "default_mesh_shape",
+    "demo_cosmology",
+]
 
 
 def _host(x):
