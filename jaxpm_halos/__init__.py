@@ -6,11 +6,12 @@ Importing this package imports only jax and numpy (never jaxpm or jaxdecomp).
 from . import units
 from .core.catalogue import Catalogue
 from .core.config import DomainConfig, FoFConfig, KNNConfig, SOConfig
+from .core.errors import CapacityError, Failure, FailureKind, InvalidInputError
 from .core.frontend import clear_caches
 from .core.particles import Particles
 from .core.pipeline import compiler_options
 from .core.retry import GrowthWarning
-from .core.status import CapacityError, Failure, FailureKind, InvalidInputError, Status
+from .core.status import Status
 from .extension import EXTENSION
 from .fof import fof, fof_local
 from .insitu import InSitu, Snapshot, correct_jaxpm_adjoints, from_jaxpm, register

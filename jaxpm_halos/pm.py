@@ -6,7 +6,8 @@ the PM grid equal to the lattice, haloes below about 100 particles are under-for
 spherical-overdensity masses are far too low, so :func:`refined_pm_ode` gives JaxPM's
 equations on ``pm_nc**3`` cells for ``nc**3`` particles on any 2D device mesh, with
 :func:`default_halo_size` sizing the painting halo to cover particles that stray from
-their device's block.
+their device's block. :class:`PMSetup` holds the PM choices of one
+:func:`jaxpm_halos.simulation.run_simulation`: grids, halos, layout and the engine.
 
 This module imports jaxpm, jaxdecomp and jax_cosmo when its functions are called.
 """
@@ -14,6 +15,7 @@ This module imports jaxpm, jaxdecomp and jax_cosmo when its functions are called
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 
 def refined_pm_ode(nc: int, pm_nc: int, *, halo_size: int = 0, sharding=None):
@@ -177,3 +179,124 @@ def default_halo_size(nc: int, box: float, block: int, stray_mpc: float = 20.0) 
     """
     cells = 2 * math.ceil(stray_mpc * nc / box) + 4
     return max(2, min(cells, 2 * block))
+
+
+# ----------------------------------------------------------------------------------------
+# The PM setup of one run_simulation
+
+
+def distribution(mesh, nc: int, pm_nc: int):
+    """``(mesh, sharding, block)``: the mesh (None for one device), the sharding of the
+    ``(nc, nc, nc, ...)`` grids and the smallest lattice block side of a device."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if mesh is None or mesh.size == 1:
+        return None, None, nc
+    if len(mesh.axis_names) != 2:
+        raise ValueError(f"JaxPM needs a 2D device mesh, got axes {mesh.axis_names}")
+    px, py = mesh.devices.shape
+    for name, n in (("nc", nc), ("pm_nc", pm_nc)):
+        if n % px or n % py:
+            raise ValueError(f"{name} = {n} is not divisible by the mesh shape {(px, py)}")
+    block = min(nc // px if px > 1 else nc, nc // py if py > 1 else nc)
+    return mesh, NamedSharding(mesh, P(*mesh.axis_names)), block
+
+
+class PMSetup(NamedTuple):
+    """The static choices of one :func:`run_simulation`: grids, painting halos (PM grid:
+    ``halo_size``; 2LPT on the particle lattice: ``lpt_halo``), layout, and the engine
+    (``"jaxpm"``: JaxPM's displacement mode; ``"jaxpm_absolute"``: its absolute-position
+    mode on one device; ``"refined"``: :func:`refined_pm_ode`)."""
+
+    nc: int
+    pm_nc: int
+    box: float
+    a_init: float
+    lpt_order: int
+    halo_size: int
+    lpt_halo: int
+    sharding: Any
+    mesh: Any
+    engine: str
+
+    def linear_field(self, seed, initial_field, omega_c: float, sigma8: float):
+        """The Gaussian linear field drawn from ``seed``, or ``initial_field`` laid out
+        like it."""
+        import jax
+        import jax.numpy as jnp
+        import jax_cosmo as jc
+        from jaxpm.kernels import interpolate_power_spectrum
+        from jaxpm.pm import linear_field
+
+        if initial_field is not None:
+            return (
+                initial_field
+                if self.sharding is None
+                else jax.lax.with_sharding_constraint(initial_field, self.sharding)
+            )
+        # A Cosmology object of its own: jax_cosmo caches its background in the object, and
+        # sharing one between the power spectrum and lpt fails (KeyError: 'h').
+        k = jnp.logspace(-4, 1, 128)
+        pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=omega_c, sigma8=sigma8), k)
+        pk_fn = lambda x: interpolate_power_spectrum(x, k, pk, self.sharding)  # noqa: E731
+        return linear_field(
+            (self.nc,) * 3,
+            [self.box] * 3,
+            pk_fn,
+            seed=jax.random.PRNGKey(seed),
+            sharding=self.sharding,
+        )
+
+    def initial_state(self, cosmo, field):
+        """``(y0, ode)``: the LPT state at ``a_init`` (stacked ``(2, nc, nc, nc, 3)``) in
+        the engine's units, and its ``diffrax.ODETerm``."""
+        import diffrax
+        import jax.numpy as jnp
+        from jaxpm.distributed import uniform_particles
+        from jaxpm.pm import lpt, make_diffrax_ode
+
+        mesh_shape = (self.nc,) * 3
+        if self.engine == "jaxpm":
+            dx, p, _ = lpt(
+                cosmo,
+                field,
+                a=self.a_init,
+                order=self.lpt_order,
+                halo_size=self.halo_size,
+                sharding=self.sharding,
+            )
+            return jnp.stack([dx, p], axis=0), diffrax.ODETerm(
+                make_diffrax_ode(
+                    mesh_shape,
+                    paint_absolute_pos=False,
+                    halo_size=self.halo_size,
+                    sharding=self.sharding,
+                )
+            )
+        if self.engine == "jaxpm_absolute":
+            q = uniform_particles(mesh_shape).astype(field.dtype)
+            dx, p, _ = lpt(cosmo, field, q, a=self.a_init, order=self.lpt_order)
+            return (
+                jnp.stack([q + dx, p], axis=0),
+                diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=True)),
+            )
+        # 2LPT on the particle lattice (JaxPM's displacement mode), then PM cells
+        dx, p, _ = lpt(
+            cosmo,
+            field,
+            a=self.a_init,
+            order=self.lpt_order,
+            halo_size=self.lpt_halo,
+            sharding=self.sharding,
+        )
+        q = uniform_particles(mesh_shape, self.sharding).astype(dx.dtype)
+        factor = jnp.asarray(self.pm_nc / self.nc, dx.dtype)
+        return (
+            jnp.stack([factor * (q + dx), factor * p], axis=0),
+            diffrax.ODETerm(
+                refined_pm_ode(
+                    self.nc, self.pm_nc, halo_size=self.halo_size, sharding=self.sharding
+                )
+            ),
+        )

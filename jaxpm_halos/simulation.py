@@ -19,9 +19,9 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from .pm import default_halo_size, refined_pm_ode
+from .pm import PMSetup, default_halo_size, distribution
 
 HOST_DEVICES = 8
 
@@ -169,10 +169,10 @@ def run_simulation(
     if paint_absolute_pos is None:
         paint_absolute_pos = pm_nc is not None and pm_nc != nc
     pm_nc = resolve_pm_nc(nc, pm_nc, paint_absolute_pos)
-    mesh, sharding, block = _distribution(mesh, nc, pm_nc)
+    mesh, sharding, block = distribution(mesh, nc, pm_nc)
     if halo_size is None:
         halo_size = default_halo_size(pm_nc, box, block * pm_nc // nc)
-    pm = _PMSetup(
+    pm = PMSetup(
         nc,
         pm_nc,
         box,
@@ -249,123 +249,6 @@ def run_simulation(
     )
 
 
-def _distribution(mesh, nc: int, pm_nc: int):
-    """``(mesh, sharding, block)``: the mesh (None for one device), the sharding of the
-    ``(nc, nc, nc, ...)`` grids and the smallest lattice block side of a device."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    if mesh is None or mesh.size == 1:
-        return None, None, nc
-    if len(mesh.axis_names) != 2:
-        raise ValueError(f"JaxPM needs a 2D device mesh, got axes {mesh.axis_names}")
-    px, py = mesh.devices.shape
-    for name, n in (("nc", nc), ("pm_nc", pm_nc)):
-        if n % px or n % py:
-            raise ValueError(f"{name} = {n} is not divisible by the mesh shape {(px, py)}")
-    block = min(nc // px if px > 1 else nc, nc // py if py > 1 else nc)
-    return mesh, NamedSharding(mesh, P(*mesh.axis_names)), block
-
-
-class _PMSetup(NamedTuple):
-    """The static choices of one :func:`run_simulation`: grids, painting halos (PM grid:
-    ``halo_size``; 2LPT on the particle lattice: ``lpt_halo``), layout, and the engine
-    (``"jaxpm"``: JaxPM's displacement mode; ``"jaxpm_absolute"``: its absolute-position
-    mode on one device; ``"refined"``: :func:`refined_pm_ode`)."""
-
-    nc: int
-    pm_nc: int
-    box: float
-    a_init: float
-    lpt_order: int
-    halo_size: int
-    lpt_halo: int
-    sharding: Any
-    mesh: Any
-    engine: str
-
-    def linear_field(self, seed, initial_field, omega_c: float, sigma8: float):
-        """The Gaussian linear field drawn from ``seed``, or ``initial_field`` laid out
-        like it."""
-        import jax
-        import jax.numpy as jnp
-        import jax_cosmo as jc
-        from jaxpm.kernels import interpolate_power_spectrum
-        from jaxpm.pm import linear_field
-
-        if initial_field is not None:
-            return (
-                initial_field
-                if self.sharding is None
-                else jax.lax.with_sharding_constraint(initial_field, self.sharding)
-            )
-        # A Cosmology object of its own: jax_cosmo caches its background in the object, and
-        # sharing one between the power spectrum and lpt fails (KeyError: 'h').
-        k = jnp.logspace(-4, 1, 128)
-        pk = jc.power.linear_matter_power(jc.Planck15(Omega_c=omega_c, sigma8=sigma8), k)
-        pk_fn = lambda x: interpolate_power_spectrum(x, k, pk, self.sharding)  # noqa: E731
-        return linear_field(
-            (self.nc,) * 3,
-            [self.box] * 3,
-            pk_fn,
-            seed=jax.random.PRNGKey(seed),
-            sharding=self.sharding,
-        )
-
-    def initial_state(self, cosmo, field):
-        """``(y0, ode)``: the LPT state at ``a_init`` (stacked ``(2, nc, nc, nc, 3)``) in
-        the engine's units, and its ``diffrax.ODETerm``."""
-        import diffrax
-        import jax.numpy as jnp
-        from jaxpm.distributed import uniform_particles
-        from jaxpm.pm import lpt, make_diffrax_ode
-
-        mesh_shape = (self.nc,) * 3
-        if self.engine == "jaxpm":
-            dx, p, _ = lpt(
-                cosmo,
-                field,
-                a=self.a_init,
-                order=self.lpt_order,
-                halo_size=self.halo_size,
-                sharding=self.sharding,
-            )
-            return jnp.stack([dx, p], axis=0), diffrax.ODETerm(
-                make_diffrax_ode(
-                    mesh_shape,
-                    paint_absolute_pos=False,
-                    halo_size=self.halo_size,
-                    sharding=self.sharding,
-                )
-            )
-        if self.engine == "jaxpm_absolute":
-            q = uniform_particles(mesh_shape).astype(field.dtype)
-            dx, p, _ = lpt(cosmo, field, q, a=self.a_init, order=self.lpt_order)
-            return (
-                jnp.stack([q + dx, p], axis=0),
-                diffrax.ODETerm(make_diffrax_ode(mesh_shape, paint_absolute_pos=True)),
-            )
-        # 2LPT on the particle lattice (JaxPM's displacement mode), then PM cells
-        dx, p, _ = lpt(
-            cosmo,
-            field,
-            a=self.a_init,
-            order=self.lpt_order,
-            halo_size=self.lpt_halo,
-            sharding=self.sharding,
-        )
-        q = uniform_particles(mesh_shape, self.sharding).astype(dx.dtype)
-        factor = jnp.asarray(self.pm_nc / self.nc, dx.dtype)
-        return (
-            jnp.stack([factor * (q + dx), factor * p], axis=0),
-            diffrax.ODETerm(
-                refined_pm_ode(
-                    self.nc, self.pm_nc, halo_size=self.halo_size, sharding=self.sharding
-                )
-            ),
-        )
-
-
 def _saveat_of(saveat_fn, snapshots: tuple, saveat_inputs):
     """``saveat_fn`` as diffrax calls it, ``fn(a, y, cosmo[, inputs])``: an
     :class:`~jaxpm_halos.InSitu` takes the state first and the save times."""
@@ -383,7 +266,7 @@ def _saveat_of(saveat_fn, snapshots: tuple, saveat_inputs):
 
 
 def _solve(
-    pm: _PMSetup,
+    pm: PMSetup,
     ode,
     y0,
     cosmo,

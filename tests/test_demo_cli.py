@@ -3,7 +3,7 @@ any JAX work (they used to end in tracebacks from jax.make_mesh, diffrax or the 
 
 import pytest
 
-from jaxpm_halos.demo import _parse_args
+from jaxpm_halos.demo.cli import _parse_args
 
 
 @pytest.mark.parametrize(
@@ -82,8 +82,8 @@ def test_a_capacity_errors_hint_pastes_into_the_demo():
     grown config with the run's other settings kept."""
     import jaxpm_halos as jh
     from jaxpm_halos.core.config import CAPACITY, MAX_HALOS, REMOTE
-    from jaxpm_halos.core.status import Failure, FailureKind, Limit
-    from jaxpm_halos.demo import _rerun_hint
+    from jaxpm_halos.core.errors import Failure, FailureKind, Limit
+    from jaxpm_halos.demo.cli import _rerun_hint
 
     insitu = jh.InSitu(box_size=64.0, domain=jh.DomainConfig(ghost_factor=0.4))
     failure = Failure(FailureKind.OVERFLOW, 900, "exchange", Limit(CAPACITY, 512, 256.0), 900)

@@ -848,7 +848,8 @@ def test_check_grows_what_every_analysis_saw_overflow_in_one_suggestion():
     decomposition) needed more of them and the z images too: the suggestion left
     image_factor as it was, so the pasted fix met the images' overflow one rerun later."""
     from jaxpm_halos.core.config import GHOSTS, IMAGES
-    from jaxpm_halos.core.status import Limit, Status
+    from jaxpm_halos.core.errors import Limit
+    from jaxpm_halos.core.status import Status
 
     fof = Status(
         {"fof ghosts": jnp.int32(300)}, jnp.int32(0), (("fof ghosts", Limit(GHOSTS, 100, 1000.0)),)
@@ -867,7 +868,8 @@ def test_check_grows_what_every_analysis_saw_overflow_in_one_suggestion():
 
 def test_check_with_the_insitu_spells_its_whole_config():
     from jaxpm_halos.core.config import GHOSTS
-    from jaxpm_halos.core.status import Limit, Status
+    from jaxpm_halos.core.errors import Limit
+    from jaxpm_halos.core.status import Status
 
     status = Status(
         {"ghosts": jnp.int32(300)}, jnp.int32(0), (("ghosts", Limit(GHOSTS, 100, 1000.0)),)

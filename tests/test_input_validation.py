@@ -792,7 +792,8 @@ def test_a_knob_shared_by_buffers_of_different_scales_is_grown_in_its_own_unit()
     factor 8; the suggestion was 534 / 25 = 21.36, the particle buffer's (unfilled) rows
     taken as query rows, which also bloated the particle buffers."""
     from jaxpm_halos.core.config import CAPACITY
-    from jaxpm_halos.core.status import Limit, Status
+    from jaxpm_halos.core.errors import Limit
+    from jaxpm_halos.core.status import Status
 
     status = Status(
         {"capacity": jnp.int32(534), "query capacity": jnp.int32(200)},
@@ -818,8 +819,9 @@ def test_growth_that_runs_out_of_rounds_raises_the_failure_in_fields():
     """A call whose need keeps rising ends in a CapacityError that still carries its
     failure (it was a bare CapacityError with failure None) and counts the rounds."""
     from jaxpm_halos.core.config import CAPACITY
+    from jaxpm_halos.core.errors import Limit
     from jaxpm_halos.core.retry import MAX_ROUNDS, run_growing
-    from jaxpm_halos.core.status import Limit, Status
+    from jaxpm_halos.core.status import Status
 
     calls = []
 

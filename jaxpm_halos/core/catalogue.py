@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cells import sort_rows
-from .domain import common_mass, pmax_all, route, route_needs, selection, valued_with_derivative_of
+from .domain import route, route_needs
 from .geometry import periodic_delta, wrap
 from .layout import Pencils
+from .rows import common_mass, pmax_all, selection, valued_with_derivative_of
 from .status import Status
 
 int32 = jnp.int32

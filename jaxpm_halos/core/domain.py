@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -32,108 +31,16 @@ from jax import lax
 from . import control
 from .cells import sort_rows
 from .layout import Pencils
+from .rows import (
+    by_dtype,
+    compact,
+    pmax_all,
+    selection,
+    sources,
+    take,
+)
 
 int32 = jnp.int32
-
-
-def sources(target, rows: int):
-    """The inverse of a scatter to distinct slots: for each of ``rows`` slots, the row
-    whose ``target`` it is, or ``len(target)`` where none is (targets out of range drop).
-
-    Data movement scatters this one int32 index and then gathers every field through it:
-    a gather compiles to a kernel half the cost of a scatter's (and fuses with what reads
-    it), which matters with tens of fields in every migration."""
-    n = target.shape[0]
-    return jnp.full((rows,), n, int32).at[target].set(jnp.arange(n, dtype=int32), mode="drop")
-
-
-def selection(mask, rows: int):
-    """Indices of the rows where ``mask`` holds, in order, padded with ``len(mask)``, and
-    their number (which exceeds ``rows`` on overflow)."""
-    slot = jnp.cumsum(mask, dtype=int32) - 1
-    return sources(jnp.where(mask & (slot < rows), slot, rows), rows), jnp.sum(mask, dtype=int32)
-
-
-def compact(mask, tree, rows: int):
-    """Move the rows where ``mask`` holds to the front of fresh ``rows``-row buffers.
-
-    Returns the buffers (zero after the kept rows) and the number of rows that *should*
-    have been kept, which exceeds ``rows`` on overflow.
-    """
-    picked, count = selection(mask, rows)
-    return take(tree, picked), count
-
-
-def take(values, indices):
-    """Gather rows, with zeros where an index is out of range (padding)."""
-    return jax.tree.map(lambda a: jnp.take(a, indices, axis=0, mode="fill", fill_value=0), values)
-
-
-def _by_dtype(tree):
-    """Pack a tree of per-row arrays side by side, one ``(rows, width)`` array per dtype,
-    so that moving them costs one gather and one collective per dtype, not per field (each
-    is a kernel to compile, and the migrations move tens of fields).
-
-    Returns the packed arrays (a dict by dtype name) and a function that unpacks arrays so
-    packed, of any number of rows, into the tree's structure."""
-    leaves, treedef = jax.tree.flatten(tree)
-    names = [jnp.dtype(a.dtype).name for a in leaves]
-    widths = [math.prod(a.shape[1:]) for a in leaves]
-    packed = {
-        name: jnp.concatenate(
-            [a.reshape(a.shape[0], w) for a, n, w in zip(leaves, names, widths) if n == name], 1
-        )
-        for name in dict.fromkeys(names)
-    }
-
-    def unpack(arrays):
-        start = dict.fromkeys(arrays, 0)
-        out = []
-        for a, name, w in zip(leaves, names, widths):
-            block = arrays[name][:, start[name] : start[name] + w]
-            start[name] += w
-            out.append(block.reshape(block.shape[:1] + a.shape[1:]))
-        return jax.tree.unflatten(treedef, out)
-
-    return packed, unpack
-
-
-def _over_all_devices(collective, pencils: Pencils, value):
-    """``collective(value, axes)`` over the pencils' mesh axes (None: a size-one axis)."""
-    axes = tuple(a for a in (pencils.x_axis, pencils.y_axis) if a)
-    return collective(value, axes) if axes else value
-
-
-def pmax_all(pencils: Pencils, value):
-    return _over_all_devices(lax.pmax, pencils, value)
-
-
-def pmin_all(pencils: Pencils, value):
-    return _over_all_devices(lax.pmin, pencils, value)
-
-
-def psum_all(pencils: Pencils, value):
-    return _over_all_devices(lax.psum, pencils, value)
-
-
-def common_mass(pencils: Pencils, mass, valid):
-    """``(equal, m)``: whether every valid row on every device has the same mass ``m``
-    (JaxPM's particles do). Sums of equal masses are then ``count * m``, one rounding,
-    the same on every mesh; a float sum rounds in an order that depends on the mesh.
-    Outside autodiff: it chooses a value, not a derivative."""
-    m = lax.stop_gradient(mass)
-    extremes = jnp.stack(
-        [jnp.max(jnp.where(valid, m, -jnp.inf)), jnp.max(jnp.where(valid, -m, -jnp.inf))]
-    )
-    heaviest, negated_lightest = pmax_all(pencils, extremes)  # one collective
-    return heaviest == -negated_lightest, heaviest
-
-
-def valued_with_derivative_of(value, like):
-    """``value``, with the derivative of ``like``: exact counts times a common mass keep
-    their bits while taking the float sum's derivative (``like - like`` is exactly 0, for
-    any rounding of the sum, where ``value - like`` need not be)."""
-    return value + (like - lax.stop_gradient(like))
 
 
 # ----------------------------------------------------------------------------------------
@@ -200,7 +107,7 @@ def route(
     """Send rows to the pencils ``dest_fn(payload) -> (i, j)`` in two all-to-all stages
     (along x then y, or the reverse). Returns the routed rows (``out_rows`` of them, valid
     first) and their count. Size the buffers with :func:`route_needs`."""
-    packed, unpack = _by_dtype(payload)
+    packed, unpack = by_dtype(payload)
     for stage, rows in zip(order, (mid_rows, out_rows)):
         di, dj = dest_fn(unpack(packed))
         axis, blocks, dest = (
@@ -326,7 +233,7 @@ def _swap(axis, blocks, to_low, to_high):
 def _swap_rows(axis, blocks, values, low, high):
     """:func:`_swap` of the rows ``low`` and ``high`` (padded with an out-of-range index)
     of the per-row ``values``, moved packed by dtype."""
-    packed, unpack = _by_dtype(values)
+    packed, unpack = by_dtype(values)
     from_high, from_low = _swap(axis, blocks, take(packed, low), take(packed, high))
     return unpack(from_high), unpack(from_low)
 

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .errors import invalid_input
 from .geometry import wrap
 from .layout import Layout, layout_of
 from .particles import Particles, _check_box_size, check_real, check_row_count, real_floats
-from .status import invalid_input, is_traced
+from .status import is_traced
 
 int32 = jnp.int32
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .domain import Extended, selection
+from .domain import Extended
 from .layout import Pencils
+from .rows import selection
 
 
 def z_image_rows(ext: Extended, width: float, box_size: float, rows: int):

@@ -23,19 +23,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .config import CAPACITY, GHOSTS, IMAGES, TRANSFER, DomainConfig, Knob
-from .domain import (
-    Decomposition,
-    Migrated,
-    decompose,
-    migrate,
-    pmax_all,
-    pmin_all,
-    psum_all,
-    return_trip,
-    with_ghosts,
-)
+from .domain import Decomposition, Migrated, decompose, migrate, return_trip, with_ghosts
+from .errors import Limit
 from .layout import Layout, Pencils, width_fraction
-from .status import Limit, Status, is_status, is_traced
+from .rows import pmax_all, pmin_all, psum_all
+from .status import Status, is_status, is_traced
 
 KINDS = ("particle", "device", "replicated")
 

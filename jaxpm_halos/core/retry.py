@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-from .status import FailureKind, spell_config
+from .errors import FailureKind, spell_config
 
 # Every round grows some knob, so rounds end; an SO radius too small to start with takes
 # about three per doubling (the radius, then the ghosts and pairs its wider search needs).

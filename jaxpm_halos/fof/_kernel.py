@@ -33,12 +33,14 @@ from ..core import control
 from ..core.catalogue import Catalogue, catalogue_rows
 from ..core.cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
 from ..core.config import IMAGES, MAX_HALOS, FoFConfig
-from ..core.domain import Decomposition, Extended, Ghosts, pmax_all, psum_all, selection
+from ..core.domain import Decomposition, Extended, Ghosts
+from ..core.errors import Limit
 from ..core.geometry import exactly_within, periodic_distance2, squared_length_limits
 from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.layout import Pencils
 from ..core.pipeline import Plan, Step
-from ..core.status import Limit, Status
+from ..core.rows import pmax_all, psum_all, selection
+from ..core.status import Status
 
 int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 from .. import units
 from ..core.catalogue import CATALOGUE_FIELDS
 from ..core.config import MAX_HALOS, DomainConfig, FoFConfig, KNNConfig
-from ..core.domain import Decomposition, psum_all
+from ..core.domain import Decomposition
+from ..core.errors import Limit, spell_config
 from ..core.frontend import (
     Problem,
     local_fields,
@@ -39,9 +40,11 @@ from ..core.layout import Pencils
 from ..core.particles import Particles, _check_integer
 from ..core.pipeline import JitProgram, Plan, Step, analyse, on_device, plan_for, run_sharded
 from ..core.retry import run_growing
-from ..core.status import Limit, is_traced, spell_config
+from ..core.rows import psum_all
+from ..core.status import is_traced
 from ..knn._search import ghost_width as knn_width
-from ..knn.knn import check_k, knn_density_on_plan
+from ..knn._steps import knn_density_on_plan
+from ..knn.knn import check_k
 from ..so._search import search_width, so_on_decomposition
 from ..so.so import check_densities, resolve_radius
 from ._kernel import check_linking_length, fof_step

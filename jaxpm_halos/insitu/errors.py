@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import jax
 
 from ..core.config import DomainConfig, FoFConfig, KNNConfig, SOConfig
-from ..core.status import FailureKind, is_status, spell_config
+from ..core.errors import FailureKind, spell_config
+from ..core.status import is_status
 
 if TYPE_CHECKING:  # annotations only: insitu.py imports this module
     from .insitu import InSitu

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import units
 from ..core.config import DomainConfig, FoFConfig, KNNConfig
+from ..core.errors import spell_config
 from ..core.frontend import local_fields, particles_of, prepare, program_cache
 from ..core.geometry import grid_to_box
 from ..core.ghosts import widest_linking_length
@@ -27,7 +28,7 @@ from ..core.layout import Pencils
 from ..core.particles import _check_integer, check_real, check_scale_factor
 from ..core.pipeline import JitProgram, Step, on_device, plan_for, replication_status, run_sharded
 from ..core.retry import run_growing
-from ..core.status import is_traced, spell_config
+from ..core.status import is_traced
 from ..fof._kernel import linking_length_misfit
 from ..fof.fof import check_centre, so_request
 from ..knn.knn import check_k

@@ -38,7 +38,8 @@ from ..core.pipeline import KINDS, Plan
 from ..fof.fof import Extras, halo_step, peak_densities
 from ..knn._search import ghost_width as knn_ghost_width
 from ..knn._search import overdensity
-from ..knn.knn import knn_density_on_plan, knn_on_decomposition
+from ..knn._steps import knn_density_on_plan
+from ..knn.knn import knn_on_decomposition
 from ..so.so import resolve_radius
 
 if TYPE_CHECKING:  # annotations only: insitu.py imports this module

@@ -18,9 +18,9 @@ from jax import lax
 
 from ..core.cells import MORTON_BITS, morton_key, sort_rows
 from ..core.config import KNNConfig
-from ..core.domain import selection
 from ..core.ghosts import z_image_rows
 from ..core.layout import Pencils
+from ..core.rows import selection
 
 int32 = jnp.int32
 SENTINEL = np.iinfo(np.int32).max

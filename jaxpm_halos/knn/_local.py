@@ -23,7 +23,7 @@ from jax import lax
 
 from ..core import control
 from ..core.cells import sort_rows
-from ..core.domain import selection
+from ..core.rows import selection
 from ._frame import Index, SearchFrame, morton_of
 from ._region import Queries, batch_slots, plan_region
 from ._scan import scan_group

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core import control
-from ..core.domain import psum_all, selection
 from ..core.geometry import periodic_distance2
 from ..core.layout import Pencils
+from ..core.rows import psum_all, selection
 from ._frame import Index, SearchFrame
 from ._local import REMOTE, finish_lists
 from ._scan import merge_nearest

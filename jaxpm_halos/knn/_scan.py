@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core import control
-from ..core.domain import selection
 from ..core.geometry import periodic_delta, squared_norm
+from ..core.rows import selection
 from ._frame import Index, SearchFrame, in_frame
 from ._region import Queries, Region
 

@@ -55,10 +55,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..core.config import IMAGES, KNN_INDEX, REMOTE, KNNConfig
-from ..core.domain import pmax_all
+from ..core.errors import Limit
 from ..core.geometry import periodic_distance2
 from ..core.pipeline import Plan
-from ..core.status import Limit, Status
+from ..core.rows import pmax_all
+from ..core.status import Status
 from ._frame import (  # noqa: F401
     SearchFrame,
     build_index,

@@ -44,12 +44,14 @@ from ..core.cells import (
     z_order,
 )
 from ..core.config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
-from ..core.domain import Decomposition, common_mass, pmax_all, psum_all, selection
+from ..core.domain import Decomposition
+from ..core.errors import Limit
 from ..core.geometry import periodic_distance2, wrap
 from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.layout import Pencils
 from ..core.pipeline import Plan, Step
-from ..core.status import Limit, Status
+from ..core.rows import common_mass, pmax_all, psum_all, selection
+from ..core.status import Status
 
 int32 = jnp.int32
 

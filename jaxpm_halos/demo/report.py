@@ -1,0 +1,230 @@
+"""What the demo prints and writes: the timing table, catalogue files, plots and the counts
+against the mass-function fits."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+from ..simulation import (
+    SimulationResult,
+)
+
+
+def host(x):
+    """A (possibly multi-process) global array as numpy on every process."""
+    import numpy as np
+
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def time_analyses(result: SimulationResult, timing: str, say):
+    """``(t_off, t_snap)``: the compiled solve's time with the analyses off, and the
+    analyses' time at each snapshot (``timing``: ``"snapshot"``, ``"total"`` or
+    ``"none"``: None each)."""
+    import jax.numpy as jnp
+
+    n_snap = len(result.snapshots)
+    if timing == "none":
+        return None, [None] * n_snap
+    say(
+        "timing: the same compiled solve with the analyses off"
+        + (" and with them on at single snapshots" if timing == "snapshot" and n_snap > 1 else "")
+        + " ..."
+    )
+    with contextlib.redirect_stdout(io.StringIO()):  # no more progress meters
+        _, _, t_off = result.rerun(jnp.zeros(n_snap, bool))
+        if timing == "total":
+            return t_off, [(result.run_s - t_off) / n_snap] * n_snap
+        # on at snapshot i alone, for all but the last; the last one by difference with the
+        # main run (all on), which saves a solve
+        t_snap = [result.rerun(jnp.arange(n_snap) == i)[2] - t_off for i in range(n_snap - 1)]
+    return t_off, t_snap + [result.run_s - t_off - sum(t_snap)]
+
+
+def write_catalogues(
+    saved, snapshots, args, insitu, cosmology: dict, mass: float, shape, pm_nc: int
+):
+    """The FoF catalogue of each snapshot (None without FoF), each written to
+    ``halos_a{a:.4f}.h5`` in ``args.out``."""
+    import numpy as np
+
+    from ..io.catalogue import gather_catalogue, write_catalogue
+
+    if "fof" not in saved:
+        return [None] * len(snapshots)
+    catalogues = []
+    for i, a in enumerate(snapshots):
+        cat = gather_catalogue(saved["fof"]["catalogue"], snapshot=i)
+        write_catalogue(
+            os.path.join(args.out, f"halos_a{a:.4f}.h5"),
+            cat,
+            box_size=args.box,
+            nc=args.nc,
+            a=a,
+            cosmology=cosmology,
+            linking_length=insitu.b * args.box / args.nc,
+            b=insitu.b,
+            min_members=insitu.min_members,
+            units=dict(saved["fof"]["catalogue"].units),
+            attrs=dict(
+                particle_mass=mass,
+                steps=args.steps,
+                seed=args.seed,
+                mesh=np.asarray(shape),
+                pm_nc=pm_nc,
+            ),
+        )
+        catalogues.append(cat)
+    return catalogues
+
+
+def snapshot_rows(saved, snapshots, catalogues, t_snap):
+    """One row of the printed table per snapshot: halos, the three largest masses, the
+    median kNN density over the mean and the analyses' time."""
+    import numpy as np
+
+    rows = []
+    for i, (a, cat) in enumerate(zip(snapshots, catalogues)):
+        row = {"a": a, "halos": None, "largest": [], "rho": None, "t": t_snap[i]}
+        if cat is not None:
+            row["halos"] = len(cat["id"])
+            row["largest"] = np.sort(cat["mass"])[::-1][:3].tolist()
+        if "knn_density" in saved:
+            row["rho"] = float(np.median(host(saved["knn_density"]["density"])[i] + 1))
+        rows.append(row)
+    return rows
+
+
+def plot_final(
+    result: SimulationResult,
+    final,
+    a: float,
+    args,
+    cosmology: dict,
+    mass: float,
+    pm_nc: int,
+    lead: bool,
+):
+    """The last snapshot's mass function (with the counts against the fits) and density
+    slice, written to ``args.out`` (by the lead process, when there is a catalogue)."""
+    from .. import from_jaxpm
+
+    particles = from_jaxpm(
+        result.state,
+        box_size=args.box,
+        mass=mass,
+        paint_absolute_pos=result.paint_absolute_pos,
+        pm_nc=result.pm_nc,
+    )
+    pos = host(particles.pos)  # every process takes part in the gather
+    if not lead or final is None:
+        return
+    from ..plots import plot_density_slice, plot_mass_function
+
+    so_mass = final.get("m200m")
+    mf = os.path.join(args.out, "mass_function.png")
+    plot_mass_function(
+        mf,
+        final["mass"],
+        box_size=args.box,
+        cosmology=cosmology,
+        a=a,
+        particle_mass=mass,
+        min_members=args.min_members,
+        so_mass=so_mass,
+        title=f"{args.nc}$^3$ particles, {args.box:g} Mpc/h, PM grid "
+        f"{pm_nc}$^3$, {args.steps} steps, a = {a:g}: in-situ FoF "
+        f"b = {args.b:g}",
+    )
+    print_fit_ratios(final["mass"], so_mass, args, cosmology, mass, a)
+    sl = os.path.join(args.out, "density_slice.png")
+    plot_density_slice(
+        sl,
+        pos,
+        box_size=args.box,
+        halo_pos=final["pos"],
+        halo_mass=final["mass"],
+        bins=min(args.nc, 512),
+        title=f"a = {a:g}: projected density of z in [0, {args.box / 8:g}) Mpc/h, FoF halo centres",
+    )
+    files = sorted(f for f in os.listdir(args.out) if f.startswith("halos_a"))
+    written = files + [os.path.basename(mf), os.path.basename(sl)]
+    print(f"wrote {', '.join(os.path.join(args.out, f) for f in written)}")
+
+
+def print_fit_ratios(fof_mass, so_mass, args, cosmology: dict, mass: float, a: float):
+    """Halo counts below and above 100 particles against the Watson (FoF) and Tinker
+    (M200m) fits."""
+    from ..plots import ratio_above
+
+    print(
+        f"\nhaloes at a = {a:g} against the fits (counts / expected, Poisson errors; "
+        f"100 particles = {100 * mass:.3g} Msun/h):"
+    )
+    for label, masses, fit in (
+        ("FoF   / Watson 2013", fof_mass, "watson13"),
+        ("M200m / Tinker 2008", so_mass, "tinker08"),
+    ):
+        if masses is None:
+            continue
+        for lo, hi in ((args.min_members, 100), (100, None)):
+            r = ratio_above(
+                masses,
+                box_size=args.box,
+                cosmology=cosmology,
+                a=a,
+                fit=fit,
+                min_mass=lo * mass,
+                max_mass=None if hi is None else hi * mass,
+                particle_mass=mass,
+            )
+            span = f"{lo}-{hi} particles" if hi else f">= {lo} particles"
+            print(
+                f"  {label}, {span:>16}: {r['count']:4d} / {r['expected']:6.1f} = "
+                f"{r['ratio']:.2f} +- {r['error']:.2f}"
+            )
+
+
+def print_table(rows, t_off, steps, t_on, timing, k):
+    per_step = None if t_off is None else t_off / steps
+    head = f"{'a':>5} {'z':>5} {'halos':>6}  {'largest masses [Msun/h]':<30}"
+    if any(r["rho"] is not None for r in rows):
+        head += f" {'median rho/rho_mean':>19}"  # over particles
+    if per_step is not None:
+        head += f" {'analyses [s]':>12} {'PM step [s]':>11} {'ratio':>6}"
+    print()
+    print(head)
+    for r in rows:
+        largest = ", ".join(f"{m:.2e}" for m in r["largest"]) or "-"
+        halos = r["halos"] if r["halos"] is not None else "-"
+        line = f"{r['a']:5.3f} {1 / r['a'] - 1:5.2f} {halos:>6}  {largest:<30}"
+        if any(x["rho"] is not None for x in rows):
+            line += f" {r['rho']:19.3f}" if r["rho"] is not None else f" {'-':>19}"
+        if per_step is not None:
+            line += f" {r['t']:12.2f} {per_step:11.3f} {r['t'] / per_step:6.1f}"
+        print(line)
+    if any(r["rho"] is not None for r in rows):
+        print(
+            f"median rho/rho_mean: the in-situ kNN density (k = {k}) over the mean density, "
+            "median over particles (mass-weighted, hence above 1)."
+        )
+    if per_step is not None:
+        print(
+            f"PM step: the solve with every analysis switched off ({t_off:.2f} s) / {steps} steps. "
+            "Analyses: "
+            + (
+                "the solve with the analyses on at that snapshot only, minus the "
+                "solve with them off (the last snapshot: the solve with all on "
+                f"({t_on:.2f} s), minus the others)"
+                if timing == "snapshot"
+                else f"(the solve with all on ({t_on:.2f} s) - the solve with all off) / snapshots"
+            )
+            + ". The same compiled program runs each time (a traced flag and lax.cond switch "
+            "the analyses), so compilation is not counted."
+        )
