@@ -142,6 +142,17 @@ def so_density(definition: str, *, omega_m, a=1.0):
     return float(value) if np.ndim(value) == 0 else value
 
 
+def definition_densities(names, given, *, omega_m, a, argument: str, instead: str) -> list:
+    """:func:`so_density` of each definition in ``names``, named by the caller's
+    ``argument=given``; without ``omega_m``, a ValueError offering ``instead``."""
+    if omega_m is None:
+        raise ValueError(
+            f"{argument}={given!r} needs omega_m= (and a=) for the thresholds "
+            f"(jaxpm_halos.units.so_density); or pass {instead}"
+        )
+    return [so_density(n, omega_m=omega_m, a=a) for n in names]
+
+
 def _so_density(definition: str, omega_m, a):
     """:func:`so_density`'s arithmetic, in the precision of its inputs."""
     a3 = a * a * a

@@ -337,7 +337,9 @@ def test_one_suggestion_fits_a_clump_that_overflows_transfer_and_capacity():
     np.testing.assert_array_equal(np.asarray(labels), ref.fof_labels(pos, BOX, L_LINK))
 
 
-def test_inside_jit_the_overflow_is_a_flag(adversarial):
+def test_inside_jit_the_overflow_is_a_flag_and_to_numpy_refuses_it(adversarial):
+    """to_numpy of a catalogue whose status failed raised nothing: the halo rows that did
+    not fit were silently missing. It raises the status's error, as gather_catalogue does."""
     pos, _, _, _, _ = adversarial
     mesh = make_mesh((2, 4))
     (p,) = _shard(mesh, pos)
@@ -345,6 +347,12 @@ def test_inside_jit_the_overflow_is_a_flag(adversarial):
     _, cat = jax.jit(lambda x: jh.fof(x, BOX, L_LINK, min_members=MIN_MEMBERS, config=config))(p)
     assert not bool(cat.status.ok)
     assert int(cat.status.needed["halos"]) > 2
+    with pytest.raises(
+        jh.CapacityError, match=r"status failed: jaxpm_halos: buffer 'halos' overflowed"
+    ) as error:
+        cat.to_numpy()
+    assert error.value.failure.limit.knob.field == "max_halos"
+    assert len(cat.to_numpy(throw=False)["id"]) <= 2 * 8  # truncated, asked for
 
 
 @pytest.mark.leg1
@@ -591,6 +599,10 @@ def test_bad_box_and_mesh_raise(adversarial):
     pos = adversarial[0]
     with pytest.raises(ValueError, match="box_size"):
         jh.fof(pos, 0.0, 0.2)
+    with pytest.raises(TypeError, match=r"box_size must be a Python number \(static\)"):
+        jax.jit(lambda p, box: jh.fof(p, box_size=box, linking_length=0.2))(pos, BOX)
+    with pytest.raises(ValueError, match="0 rows, and at least 1 particle is needed"):
+        jh.fof(pos[:0], BOX, 0.2)  # an IndexError
     mesh3 = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     with pytest.raises(ValueError, match="at most two mesh axes"):
         jh.fof(pos, BOX, 0.2, mesh=mesh3)

@@ -457,7 +457,7 @@ def test_bad_masses_inside_jit_are_excluded_and_counted(shape):
     want = _without(true, [0, 40, 500], LINK)
     np.testing.assert_array_equal(np.asarray(labels), want)
     keep = want >= 0
-    got = cat.to_numpy()
+    got = cat.to_numpy(throw=False)  # the status failed: the others' catalogue, asked for
     want_cat = ref.catalogue(
         true[keep], BOX, np.searchsorted(np.nonzero(keep)[0], want[keep]), 20, mass=mass[keep]
     )

@@ -252,6 +252,14 @@ def test_a_directory_as_the_path_is_named_and_nothing_is_written(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_path_below_a_file_says_the_parent_is_not_a_directory(tmp_path):
+    (tmp_path / "file.txt").write_text("")
+    for path in (tmp_path / "file.txt" / "out.h5", tmp_path / "file.txt" / "sub" / "out.h5"):
+        with pytest.raises(NotADirectoryError, match=r"file.txt' is a file, not a directory"):
+            write_catalogue(path, _catalogue(np.random.default_rng(5), 5), **META)
+    assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
+
+
 def test_string_array_attrs_round_trip(tmp_path):
     cat = _catalogue(np.random.default_rng(7), 3)
     got = load_catalogue(

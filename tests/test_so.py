@@ -327,6 +327,24 @@ def test_errors():
     with pytest.raises(jh.InvalidInputError, match="2 SO centres are NaN") as error:
         jh.spherical_overdensity(POS, centres, box_size=BOX, density=1.0)
     assert error.value.failure == jh.Failure(jh.FailureKind.NONFINITE, 2)
+    with pytest.raises(ValueError, match="0 rows, and at least 1 particle is needed"):
+        jh.spherical_overdensity(POS[:0], CENTRES, box_size=BOX, density=1.0)  # ZeroDivision
+
+
+def test_definition_names_with_omega_m_are_their_so_density_thresholds():
+    """``density="200c"`` (or a list of names) with ``omega_m`` and ``a`` is
+    ``units.so_density``'s threshold; a name without them raised a JAX dtype error."""
+    run = lambda **kw: jh.spherical_overdensity(POS, CENTRES, box_size=BOX, mass=1e11, **kw)
+    names = ("200c", "vir")
+    want = run(density=[units.so_density(n, omega_m=0.3, a=0.8) for n in names])
+    np.testing.assert_array_equal(run(density=list(names), omega_m=0.3, a=0.8), want)
+    np.testing.assert_array_equal(run(density="200c", omega_m=0.3, a=0.8)[1], want[1][:, 0])
+    with pytest.raises(ValueError, match=r"density='200c' needs omega_m= \(and a=\)"):
+        run(density="200c")
+    with pytest.raises(ValueError, match="is a threshold already: leave omega_m out"):
+        run(density=1.0, omega_m=0.3)
+    with pytest.raises(ValueError, match=r"density='200c': the '200c' threshold .* Msun/h"):
+        jh.spherical_overdensity(POS, CENTRES, box_size=BOX, density="200c", omega_m=0.3)
 
 
 # ----------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from .domain import route, route_needs
 from .geometry import periodic_delta, wrap
 from .layout import Pencils
 from .rows import common_mass, pmax_all, selection, valued_with_derivative_of
-from .status import Status
+from .status import Status, check_catalogue_status
 
 int32 = jnp.int32
 _BIG = jnp.iinfo(jnp.int32).max
@@ -134,16 +134,23 @@ class Catalogue:
         out.update(self.so or {})
         return out
 
-    def to_numpy(self) -> dict:
+    def to_numpy(self, *, throw: bool = True) -> dict:
         """Host-side: the valid halos of all devices as numpy arrays, sorted by id (one
         process; :func:`jaxpm_halos.gather_catalogue` also takes a catalogue stacked over
-        snapshots, and several processes)."""
+        snapshots, and several processes).
+
+        ``throw``: raise the status's error (:class:`~jaxpm_halos.CapacityError`, naming a
+        setting that fits, or :class:`~jaxpm_halos.InvalidInputError`) when the status
+        failed (a buffer overflowed inside ``jit`` or with ``grow=False``): halos may be
+        missing or wrong. ``False``: take the rows anyway."""
         if np.ndim(self.num) == 2:  # (snapshots, devices): the rows would be misread
             raise ValueError(
                 "this catalogue is stacked over snapshots (as InSitu.saveat "
                 "returns it): take one with jaxpm_halos.gather_catalogue(cat, "
                 "snapshot=i)"
             )
+        if throw:
+            check_catalogue_status(self.status)
         num = np.atleast_1d(np.asarray(self.num))
         rows = np.asarray(self.id).shape[0] // num.shape[0]
         keep = (np.arange(num.shape[0] * rows) % rows) < np.repeat(num, rows)

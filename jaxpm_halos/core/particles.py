@@ -228,6 +228,12 @@ def _valid_id_range(ids, num):
 
 
 def _check_box_size(box_size) -> float:
+    if isinstance(box_size, jax.core.Tracer):  # it sizes the pencils and the cell grid
+        raise TypeError(
+            "box_size must be a Python number (static), not a traced value: inside jit, "
+            "close over it (jax.jit(lambda p: fof(p, box_size=10.0, ...))) or mark the "
+            "argument static (jax.jit(f, static_argnames='box_size'))"
+        )
     if np.ndim(box_size) != 0 or isinstance(box_size, (bool, np.bool_, str)):
         raise ValueError(
             f"box_size must be one number, the side of a cubic periodic box "
@@ -242,7 +248,12 @@ def _check_box_size(box_size) -> float:
 def check_row_count(rows: int) -> None:
     """Particle ids, row indices and counts are int32 on the devices: more rows would wrap
     them (a default lattice id past 2**31 - 1 turns negative) and mislabel groups and
-    neighbours with no sign. Refused before anything is traced."""
+    neighbours with no sign. Refused before anything is traced, as is an empty input."""
+    if rows < 1:
+        raise ValueError(
+            "no particles: the positions hold 0 rows, and at least 1 particle is needed "
+            "(kNN needs k + 1); pass a non-empty (N, 3) array"
+        )
     if rows > INT32_MAX:
         raise ValueError(
             f"{rows} particle rows: jaxpm_halos numbers particles and rows in "

@@ -224,6 +224,25 @@ class Status:
         self.error_if(self.nonfinite, config)
 
 
+def check_catalogue_status(status: Status, snapshot: int | None = None) -> None:
+    """Raise the status's own error, at ``snapshot`` of a stacked one, if it failed: the
+    catalogue it came with is incomplete or wrong."""
+    # Every leaf is replicated (InSitu's and fof's are), so each process reads the same
+    # status and raises the same error before any collective.
+    if snapshot is not None:  # a leading snapshot axis
+        status = jax.tree.map(lambda x: np.asarray(x)[snapshot], status)
+    failure = status.failure()
+    if failure is not None:
+        error = failure.error()
+        error.args = (
+            f"the catalogue is incomplete or wrong, its status failed: {error} "
+            "(the whole setting to rerun with: check_insitu(out, insitu) for an "
+            "InSitu output, cat.status.check(config) for fof's; throw=False uses "
+            "the catalogue anyway)",
+        )
+        raise error
+
+
 def is_status(x) -> bool:
     """``is_leaf`` for a pytree holding :class:`Status` nodes (they are pytrees too)."""
     return isinstance(x, Status)

@@ -46,7 +46,7 @@ from ..knn._search import ghost_width as knn_width
 from ..knn._steps import knn_density_on_plan
 from ..knn.knn import check_k
 from ..so._search import search_width, so_on_decomposition
-from ..so.so import check_densities, resolve_radius
+from ..so.so import check_definition_units, check_densities, resolve_radius
 from ._kernel import check_linking_length, fof_step
 
 CENTRES = ("com", "peak")
@@ -180,12 +180,9 @@ def so_request(so, omega_m=None, a=1.0):
         names = _so_names(tuple(str(n) for n in so))
         return names, [so[n] for n in so]
     names = _so_names((so,) if isinstance(so, str) else tuple(so))
-    if omega_m is None:
-        raise ValueError(
-            f"so={names!r} needs omega_m= (and a=) for the thresholds "
-            "(jaxpm_halos.units.so_density); or pass so={name: density}"
-        )
-    return names, [units.so_density(n, omega_m=omega_m, a=a) for n in names]
+    return names, units.definition_densities(
+        names, names, omega_m=omega_m, a=a, argument="so", instead="so={name: density}"
+    )
 
 
 def _so_names(names: tuple) -> tuple:
@@ -208,38 +205,6 @@ def _so_names(names: tuple) -> tuple:
                 f"replace the catalogue's {sorted(clash)}: pick another name"
             )
     return names
-
-
-# Named thresholds lie within ~1e4 of the mean density (Delta / Omega_m(a) at most). A
-# million times it means masses or positions in other units than Msun/h and Mpc/h.
-_MOST_OVER_MEAN = 1e6
-
-
-def _check_definition_units(names, densities, problem: Problem, args) -> None:
-    """Named SO definitions are in Msun/h per (Mpc/h)^3. Masses in another unit (unit
-    masses by default) would put every threshold far above the data's mean density and
-    give M = R = 0 for every halo: refuse that outside ``jit``."""
-    # Inside jit nothing can be raised. (Outside it a scalar mass is "static": only traced
-    # scalars are "scalar".)
-    if is_traced(args, densities):
-        return
-    if problem.mass_kind == "static":
-        total_mass = problem.static_mass * problem.total
-    else:  # per-row masses, the last input (padding rows hold 0)
-        total_mass = float(jnp.sum(args[-1]))
-    mean = total_mass / problem.box_size**3
-    if not mean > 0:
-        return
-    for name, density in zip(names, densities):
-        if not float(density) <= _MOST_OVER_MEAN * mean:
-            raise ValueError(
-                f"so={names!r}: the {name!r} threshold {float(density):.3g} is "
-                f"{float(density) / mean:.3g} times the data's mean density {mean:.3g} "
-                "(total mass / box_size**3), so every halo would get M = R = 0. Named "
-                "definitions are in Msun/h per (Mpc/h)^3: pass mass= in Msun/h "
-                "(units.particle_mass(omega_m, box_size, nc) for a JaxPM run) with positions "
-                "in Mpc/h, or so={name: density} in your units."
-            )
 
 
 def _refuse_nested_domains(config: FoFConfig) -> None:
@@ -418,7 +383,9 @@ def fof(
     if names:
         thresholds = check_densities(densities)[0]
         if not isinstance(so, Mapping):
-            _check_definition_units(names, thresholds, problem, args)
+            check_definition_units(
+                names, thresholds, problem, args, f"so={names!r}", "so={name: density}"
+            )
         args = args + (thresholds.astype(args[0].dtype),)
 
     def run(cfg):

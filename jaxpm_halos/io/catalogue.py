@@ -182,9 +182,7 @@ def write_catalogue(
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"write_catalogue: {path!r} is a directory; give a file path")
-    folder = os.path.dirname(path)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
+    _make_folder(os.path.dirname(path), path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         _write(tmp, fields, units, {**root, **extra}, cosmology)
@@ -194,6 +192,21 @@ def write_catalogue(
             os.remove(tmp)
         raise
     return path
+
+
+def _make_folder(folder: str, path: str) -> None:
+    """Create ``folder`` (and its parents) for ``path``, or raise NotADirectoryError
+    naming the part of it that is a file."""
+    above = folder
+    while above and not os.path.exists(above):
+        above = os.path.dirname(above)
+    if above and not os.path.isdir(above):
+        raise NotADirectoryError(
+            f"write_catalogue: cannot write {path!r}: {above!r} is a file, not a "
+            "directory; give a path inside a directory"
+        )
+    if folder:
+        os.makedirs(folder, exist_ok=True)
 
 
 def _so_definitions(catalogue, fields) -> list[str]:

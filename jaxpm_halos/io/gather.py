@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ..core.status import check_catalogue_status
+
 
 def gather_catalogue(
     catalogue, snapshot: int | None = None, *, throw: bool = True
@@ -49,7 +51,7 @@ def gather_catalogue(
     if stacked:
         snapshot = _snapshot_index(snapshot, np.shape(num)[0])
     if throw:
-        _check_status(catalogue.status, snapshot)
+        check_catalogue_status(catalogue.status, snapshot)
     if all(_addressable(x) for x in (num, *leaves.values())):
         pick = (lambda x: np.asarray(x)[snapshot]) if stacked else np.asarray
         so = {f: pick(x) for f, x in (catalogue.so or {}).items()}
@@ -59,7 +61,7 @@ def gather_catalogue(
             so=so or None,
             **{f: pick(x) for f, x in leaves.items() if f not in so},
         )
-        return single.to_numpy()
+        return single.to_numpy(throw=False)  # checked above, at the snapshot
 
     # Multi-process: compact this process's valid rows, all-gather them, dedupe blocks.
     from jax.experimental import multihost_utils
@@ -100,26 +102,6 @@ def gather_catalogue(
     fields = {f: np.concatenate(v) for f, v in keep.items()}
     order = np.argsort(fields["id"], kind="stable")
     return {f: v[order] for f, v in fields.items()}
-
-
-def _check_status(status, snapshot: int | None) -> None:
-    """Raise the status's own error, at ``snapshot`` of a stacked one, if it failed."""
-    import jax
-
-    # Every leaf is replicated (InSitu's and fof's are), so each process reads the same
-    # status and raises the same error before any collective.
-    if snapshot is not None:  # a leading snapshot axis
-        status = jax.tree.map(lambda x: np.asarray(x)[snapshot], status)
-    failure = status.failure()
-    if failure is not None:
-        error = failure.error()
-        error.args = (
-            f"the catalogue is incomplete or wrong, its status failed: {error} "
-            "(the whole setting to rerun with: check_insitu(out, insitu) for an "
-            "InSitu output, cat.status.check(config) for fof's; throw=False uses "
-            "the catalogue anyway)",
-        )
-        raise error
 
 
 def _addressable(x) -> bool:

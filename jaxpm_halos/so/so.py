@@ -21,6 +21,7 @@ import math
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from .. import units
 from ..core.config import SOConfig
 from ..core.frontend import Problem, local_fields, local_valid, prepare, program_cache, row_masses
 from ..core.layout import Pencils
@@ -97,6 +98,62 @@ def check_densities(density):
     return d.reshape(-1), d.ndim == 0
 
 
+def named_densities(density, omega_m, a):
+    """``(names, density)``: the definition names in ``density`` (``"200c"`` or a list of
+    them; ``()`` for thresholds) and their thresholds, by
+    :func:`~jaxpm_halos.units.so_density` with ``omega_m`` and ``a``."""
+    names = (density,) if isinstance(density, str) else density
+    if isinstance(names, (list, tuple)) and any(isinstance(n, str) for n in names):
+        values = units.definition_densities(
+            names,
+            density,
+            omega_m=omega_m,
+            a=a,
+            argument="density",
+            instead="a threshold density: jaxpm_halos.units.so_density(name, omega_m=..., a=...)",
+        )
+        return tuple(names), values[0] if isinstance(density, str) else values
+    if omega_m is not None:
+        raise ValueError(
+            f"omega_m= (and a=) resolve definition names such as density='200c'; "
+            f"density={density!r} is a threshold already: leave omega_m out"
+        )
+    return (), density
+
+
+# Named thresholds lie within ~1e4 of the mean density (Delta / Omega_m(a) at most). A
+# million times it means masses or positions in other units than Msun/h and Mpc/h.
+_MOST_OVER_MEAN = 1e6
+
+
+def check_definition_units(names, densities, problem: Problem, args, given, instead) -> None:
+    """Named SO definitions are in Msun/h per (Mpc/h)^3. Masses in another unit (unit
+    masses by default) would put every threshold far above the data's mean density and
+    give M = R = 0 for every halo: refuse that outside ``jit``. ``given`` spells the
+    caller's argument (``so=('200c',)``), ``instead`` what to pass in other units."""
+    # Inside jit nothing can be raised. (Outside it a scalar mass is "static": only traced
+    # scalars are "scalar".)
+    if is_traced(args, densities):
+        return
+    if problem.mass_kind == "static":
+        total_mass = problem.static_mass * problem.total
+    else:  # per-row masses, the last input (padding rows hold 0)
+        total_mass = float(jnp.sum(args[-1]))
+    mean = total_mass / problem.box_size**3
+    if not mean > 0:
+        return
+    for name, density in zip(names, densities):
+        if not float(density) <= _MOST_OVER_MEAN * mean:
+            raise ValueError(
+                f"{given}: the {name!r} threshold {float(density):.3g} is "
+                f"{float(density) / mean:.3g} times the data's mean density {mean:.3g} "
+                "(total mass / box_size**3), so every M and R would be 0. Named "
+                "definitions are in Msun/h per (Mpc/h)^3: pass mass= in Msun/h "
+                "(units.particle_mass(omega_m, box_size, nc) for a JaxPM run) with positions "
+                f"in Mpc/h, or {instead} in your units."
+            )
+
+
 def _centres(centres, dtype):
     c = jnp.asarray(real_floats(centres, "SO centres"))
     if c.ndim != 2 or c.shape[-1] != 3:
@@ -124,6 +181,8 @@ def spherical_overdensity(
     *,
     box_size=None,
     density,
+    omega_m=None,
+    a=1.0,
     mass=None,
     mesh=None,
     config: SOConfig | None = None,
@@ -149,7 +208,10 @@ def spherical_overdensity(
       box_size: periodic box side (taken from Particles; a different value raises).
       density: threshold mean density, a scalar or a ``(D,)`` array, in the unit of
         ``mass`` per unit of ``pos`` cubed (e.g. :func:`jaxpm_halos.units.so_density`, in
-        (Msun/h) / (Mpc/h)^3, with masses in Msun/h and positions in Mpc/h).
+        (Msun/h) / (Mpc/h)^3, with masses in Msun/h and positions in Mpc/h). Or a
+        definition name (``"200c"``, ``"200m"``, ``"vir"``) or a list of them, with
+        ``omega_m`` (and ``a``): their ``so_density`` thresholds.
+      omega_m, a: matter density parameter today and scale factor, for definition names.
       mass: particle masses, scalar or per particle (default 1; taken from Particles).
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
       config: :class:`~jaxpm_halos.SOConfig`; its ``radius`` bounds the radii that can be
@@ -189,7 +251,11 @@ def spherical_overdensity(
     """
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     config = SOConfig() if config is None else config
+    names, density = named_densities(density, omega_m, a)
     density, scalar = check_densities(density)
+    if names:
+        given = f"density={names[0] if scalar else names!r}"
+        check_definition_units(names, density, problem, args, given, "density=<threshold>")
     centres = _centres(centres, args[0].dtype)
     empty = centres.shape[0] == 0
     placeholder = jnp.zeros((1, 3), centres.dtype) if empty else centres  # (max(H, 1), 3)
