@@ -602,7 +602,7 @@ def test_bad_box_and_mesh_raise(adversarial):
     with pytest.raises(TypeError, match=r"box_size must be a Python number \(static\)"):
         jax.jit(lambda p, box: jh.fof(p, box_size=box, linking_length=0.2))(pos, BOX)
     with pytest.raises(ValueError, match="0 rows, and at least 1 particle is needed"):
-        jh.fof(pos[:0], BOX, 0.2)  # an IndexError
+        jh.fof(pos[:0], BOX, 0.2)  # it was an IndexError
     mesh3 = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     with pytest.raises(ValueError, match="at most two mesh axes"):
         jh.fof(pos, BOX, 0.2, mesh=mesh3)
