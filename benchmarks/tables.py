@@ -244,8 +244,7 @@ def report_lines(results, level=2):
         "",
         f"{h} Against the targets",
         "",
-        "Every figure comes from this run. Where a target is missed, the cause found by "
-        "profiling is written by hand after the generated tables (run.py keeps that part).",
+        "Every figure comes from this run, and each target is marked met or missed from it.",
         "",
         "| target | measured | status |",
         "|---|---|---|",
