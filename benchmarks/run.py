@@ -445,14 +445,15 @@ def machine():
     )
 
 
-def report(results, path):
-    """Write the run's figures to ``results.json`` beside ``path``, and its tables to the top
-    of ``path`` (RESULTS.md), keeping what is written below :data:`tables.KEEP_BELOW`."""
+def report(results, path, figures: bool = True):
+    """Write the run's tables to the top of ``path`` (RESULTS.md), keeping what is written
+    below :data:`tables.KEEP_BELOW`, and (``figures``) its figures to ``results.json``
+    beside it."""
     path = Path(path)
     lines = ["# jaxpm_halos benchmark results", "", *tables.report_lines(results)]
     kept = path.read_text().partition(KEEP_BELOW)[2] if path.is_file() else ""
     path.write_text("\n".join(lines) + ("\n\n" + KEEP_BELOW + kept if kept else "\n"))
-    if path.name == "RESULTS.md":
+    if figures:
         path.with_name("results.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
@@ -537,7 +538,7 @@ def main(argv=None):
             bench_so(nc, rows)
         if nc == RECIPE["nc"]:
             insitu_in_solve(rows)
-        report(results_of(rows, memory, solve_mem), args.out)
+        report(results_of(rows, memory, solve_mem), args.out, figures=not args.memory_only)
     if not args.no_memory:
         if RECIPE["nc"] in args.sizes:
             solve_mem = solve_memory()
@@ -545,7 +546,7 @@ def main(argv=None):
             for what in MEMORY_CHILDREN:
                 memory[(nc, what)] = child_memory(nc, what)
                 print(nc, what, memory[(nc, what)], flush=True)
-    report(results_of(rows, memory, solve_mem), args.out)
+    report(results_of(rows, memory, solve_mem), args.out, figures=not args.memory_only)
     if args.memory_only:
         return
     plot(rows, Path(args.out).with_name("scaling.png"))
