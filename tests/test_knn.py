@@ -735,12 +735,13 @@ def test_knn_on_decomposition_shares_the_domain(clustered):
     from jaxpm_halos.core.domain import decompose
     from jaxpm_halos.core.geometry import wrap
     from jaxpm_halos.core.layout import Pencils
+    from jaxpm_halos.knn._search import ghost_width
 
     k = 8
     mesh = make_mesh((2, 4))
     pencils = Pencils("x", "y", 2, 4, BOX)
     n0 = N // 8
-    width = jh._knn.ghost_width(k, N, pencils)
+    width = ghost_width(k, N, pencils)
     want_dist, want_idx = jh.knn(clustered, BOX, k)
 
     def step(block):
