@@ -5,7 +5,7 @@ Importing this package imports only jax and numpy (never jaxpm or jaxdecomp).
 
 from . import units
 from .core.catalogue import Catalogue
-from .core.config import DomainConfig, FoFConfig, KNNConfig, SOConfig
+from .core.config import DomainConfig, FoFConfig, KNNConfig, MergerConfig, SOConfig
 from .core.errors import CapacityError, Failure, FailureKind, InvalidInputError
 from .core.frontend import clear_caches
 from .core.particles import Particles
@@ -18,6 +18,7 @@ from .insitu import InSitu, Snapshot, correct_jaxpm_adjoints, from_jaxpm, regist
 from .insitu import check as check_insitu
 from .io import LoadedCatalogue, gather_catalogue, load_catalogue, write_catalogue
 from .knn import knn, knn_density, knn_local, knn_on_decomposition
+from .merger import MergerLinks, along_branches, main_branches, merger_links, snapshot_links
 from .so import spherical_overdensity
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "DomainConfig",
     "FoFConfig",
     "KNNConfig",
+    "MergerConfig",
     "SOConfig",
     "from_jaxpm",
     "units",
@@ -38,6 +40,12 @@ __all__ = [
     "knn_local",
     "knn_on_decomposition",
     "spherical_overdensity",
+    # merger trees
+    "MergerLinks",
+    "along_branches",
+    "main_branches",
+    "merger_links",
+    "snapshot_links",
     # in situ (the JaxPM extension)
     "EXTENSION",
     "InSitu",

@@ -11,6 +11,7 @@ MODULES = [
     "jaxpm_halos.knn.knn",
     "jaxpm_halos.so.so",
     "jaxpm_halos.insitu.insitu",
+    "jaxpm_halos.merger.links",
 ]
 
 

@@ -252,6 +252,26 @@ class FoFConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MergerConfig:
+    """The buffer of :func:`jaxpm_halos.merger_links`.
+
+    Attributes:
+      max_pairs: distinct (earlier halo, later halo) pairs one device can hold among its
+        particles. ``None`` picks the larger catalogue's rows per device (``max_halos``):
+        a halo's particles on one device rarely go to more than a few haloes. Outside
+        ``jit`` it grows when too small.
+    """
+
+    max_pairs: int | None = None
+
+    def __post_init__(self):
+        _check_numbers(self)
+
+    def pair_rows(self, halo_rows: int) -> int:
+        return self.max_pairs if self.max_pairs is not None else halo_rows
+
+
+@dataclasses.dataclass(frozen=True)
 class Knob:
     """A config field that sizes a buffer, named as ``(class, field)``.
 
@@ -275,6 +295,7 @@ CAPACITY = Knob(DomainConfig, "capacity_factor")
 GHOSTS = Knob(DomainConfig, "ghost_factor")
 IMAGES = Knob(DomainConfig, "image_factor")
 MAX_HALOS = Knob(FoFConfig, "max_halos")
+MAX_PAIRS = Knob(MergerConfig, "max_pairs")
 REMOTE = Knob(KNNConfig, "remote_factor")
 KNN_INDEX = Knob(KNNConfig, "index_factor")
 SO_RADIUS = Knob(SOConfig, "radius")

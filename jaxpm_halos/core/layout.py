@@ -163,15 +163,20 @@ def layout_of(pos, box_size: float, mesh=None) -> Layout:
         or (len(shape) == 4 and not shape[0] == shape[1] == shape[2])
     ):
         raise ValueError(f"positions must have shape (N, 3) or (nc, nc, nc, 3), got {shape}")
-    leading = shape[:-1]
+    return leading_layout(pos, shape[:-1], box_size, mesh)
+
+
+def leading_layout(x, leading: tuple, box_size: float, mesh=None) -> Layout:
+    """:func:`layout_of` for an array ``x`` whose leading axes ``leading`` (``(N,)`` or
+    ``(nc, nc, nc)``) index particles, e.g. FoF labels."""
     grid = len(leading) == 3
     spec = None
     if mesh is None:
-        sharding = None if is_traced(pos) else getattr(pos, "sharding", None)
+        sharding = None if is_traced(x) else getattr(x, "sharding", None)
         if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
             mesh, spec = sharding.mesh, sharding.spec
-        elif is_traced(pos):
-            abstract = jax.typeof(pos).sharding.mesh
+        elif is_traced(x):
+            abstract = jax.typeof(x).sharding.mesh
             if abstract.size > 1:
                 mesh = abstract
     if mesh is None or mesh.size == 1:

@@ -117,3 +117,36 @@ def so_reference(pos, centres, box, density, mass, knife=None):
             flips = (gap <= tol * within) | (close & (gap <= swing + tol * within))
             edge[h, k] = np.any(flips[: first + 1])
     return out if knife is None else (out, edge)
+
+
+def merger_links_reference(labels_a, ids_a, labels_b, ids_b):
+    """Serial merger links, counted particle by particle in dictionaries: ``(forward,
+    backward)`` as :meth:`jaxpm_halos.merger.MergerLinks.to_numpy` returns them, for the
+    catalogued haloes ``ids_a`` (earlier) and ``ids_b`` (later)."""
+    from collections import Counter
+
+    in_a, in_b = set(np.asarray(ids_a).tolist()), set(np.asarray(ids_b).tolist())
+    pairs = Counter(
+        (a, b)
+        for a, b in zip(np.ravel(labels_a).tolist(), np.ravel(labels_b).tolist())
+        if a in in_a and b in in_b
+    )
+    best = {}  # earlier id -> (shared, descendant), most shared then smallest id
+    for (a, b), shared in pairs.items():
+        if a not in best or (shared, -b) > (best[a][0], -best[a][1]):
+            best[a] = (shared, b)
+    forward = {"id": sorted(in_a)}
+    forward["descendant"] = [best.get(a, (0, -1))[1] for a in forward["id"]]
+    forward["shared"] = [best.get(a, (0, -1))[0] for a in forward["id"]]
+    main = {}  # later id -> (shared, progenitor, count)
+    for a in forward["id"]:
+        if a in best:
+            shared, b = best[a]
+            old = main.get(b, (-1, -1, 0))
+            better = (shared, -a) > (old[0], -old[1])
+            main[b] = ((shared, a) if better else old[:2]) + (old[2] + 1,)
+    backward = {"id": sorted(in_b)}
+    backward["main_progenitor"] = [main.get(b, (0, -1, 0))[1] for b in backward["id"]]
+    backward["n_progenitors"] = [main.get(b, (0, -1, 0))[2] for b in backward["id"]]
+    as_arrays = lambda d: {k: np.asarray(v, np.int64) for k, v in d.items()}
+    return as_arrays(forward), as_arrays(backward)

@@ -127,6 +127,26 @@ def jaxpm_snapshot(
     )
 
 
+def jaxpm_history(
+    nc: int, box: float, steps: int, times=(0.5, 0.75, 1.0), seed: int = 0
+) -> tuple[np.ndarray, float]:
+    """``(disp, omega_m)``: the displacements ``(len(times), nc, nc, nc, 3)`` of one JaxPM
+    run on a ``(2, 4)`` mesh at the scale factors ``times`` (the merger tests' snapshots),
+    from the disk cache when available."""
+    key = "_".join(f"{a:g}" for a in times)
+    path = cache_path(nc, float(box), steps, seed, (2, 4)).with_suffix(f".a{key}.npz")
+    if not path.exists():
+        from jaxpm_halos.simulation import run_simulation
+
+        run = run_simulation(nc, float(box), steps, times, mesh=make_mesh((2, 4)), seed=seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, disp=np.asarray(run.saved[:, 0]), omega_m=run.omega_m)
+        os.replace(tmp, path)
+    with np.load(path) as f:
+        return f["disp"], float(f["omega_m"])
+
+
 def snapshot_particles(nc: int, box: float, steps: int, mesh_shape=(2, 4)):
     """``(snapshot, particles)``: the cached snapshot's :class:`jaxpm_halos.Particles` on a
     mesh ``mesh_shape`` of host devices, from displacements sharded over ``("x", "y")``
