@@ -16,7 +16,16 @@ from .extension import EXTENSION
 from .fof import fof, fof_local
 from .insitu import InSitu, Snapshot, correct_jaxpm_adjoints, from_jaxpm, register
 from .insitu import check as check_insitu
-from .io import LoadedCatalogue, gather_catalogue, load_catalogue, write_catalogue
+from .io import (
+    LoadedCatalogue,
+    LoadedRun,
+    gather_catalogue,
+    halo_members,
+    load_catalogue,
+    load_run,
+    write_catalogue,
+    write_run,
+)
 from .knn import knn, knn_density, knn_local, knn_on_decomposition
 from .merger import MergerLinks, along_branches, main_branches, merger_links, snapshot_links
 from .so import spherical_overdensity
@@ -55,11 +64,15 @@ __all__ = [
     "register",
     # JaxPM reverse mode
     "correct_jaxpm_adjoints",
-    # catalogue files
+    # catalogue and run files
     "LoadedCatalogue",
+    "LoadedRun",
     "gather_catalogue",
+    "halo_members",
     "load_catalogue",
+    "load_run",
     "write_catalogue",
+    "write_run",
     # errors and buffers
     "CapacityError",
     "Failure",

@@ -53,6 +53,20 @@ INSITU_UNITS = {
 ``omega_m``, ``mass`` counts particles)."""
 
 
+DESCRIPTIONS = {
+    "id": "halo id: the smallest particle id among its members",
+    "count": "number of member particles",
+    "mass": "total mass of the members",
+    "pos": "periodic centre of mass of the members, wrapped into [0, box_size)",
+    "vel": "mass-weighted mean peculiar velocity of the members",
+    "vel_disp": "1D velocity dispersion of the members, sqrt(<|v - vel|^2> / 3)",
+    "radius": "rms distance of the members from the centre of mass",
+    "percolates": "the members span half the box or more along some axis (pos not physical)",
+    "peak": "position of the member with the highest kNN density",
+}
+"""What each catalogue field is, written beside its unit in the files."""
+
+
 def insitu_units(msun: bool, so=()) -> dict:
     """The units of an in-situ catalogue's fields: :data:`INSITU_UNITS`, with masses in
     particles when ``msun`` is False (no ``omega_m``), and those of the SO masses and radii

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.catalogue import CATALOGUE_FIELDS, INSITU_UNITS
+from ..core.catalogue import CATALOGUE_FIELDS, DESCRIPTIONS, INSITU_UNITS
 from .gather import gather_catalogue
 
 __all__ = ["FIELDS", "INSITU_UNITS", "LoadedCatalogue", "load_catalogue", "write_catalogue"]
@@ -139,6 +139,60 @@ def write_catalogue(
     """
     import jax
 
+    contents = catalogue_contents(
+        catalogue,
+        box_size=box_size,
+        nc=nc,
+        a=a,
+        cosmology=cosmology,
+        linking_length=linking_length,
+        b=b,
+        min_members=min_members,
+        units=units,
+        snapshot=snapshot,
+        attrs=attrs,
+        throw=throw,
+    )
+    if jax.process_index() != 0:
+        return None
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"write_catalogue: {path!r} is a directory; give a file path")
+    _make_folder(os.path.dirname(path), path)
+    atomic_write(path, lambda tmp: write_contents(tmp, *contents))
+    return path
+
+
+def atomic_write(path: str, write) -> None:
+    """``write(tmp)`` to a temporary name beside ``path``, then rename it to ``path``: a
+    write that fails leaves what was at ``path`` (and no temporary)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def catalogue_contents(
+    catalogue,
+    *,
+    box_size,
+    nc,
+    a,
+    cosmology,
+    linking_length,
+    b,
+    min_members,
+    units=None,
+    snapshot=None,
+    attrs=None,
+    throw=True,
+):
+    """``(fields, units, root attributes, cosmology)`` of a catalogue file, checked as
+    :func:`write_catalogue` documents (collective: gathers the catalogue)."""
     root = _run_attrs(box_size, nc, a, linking_length, b, min_members)
     extra = {}
     for name, value in (attrs or {}).items():
@@ -173,25 +227,11 @@ def write_catalogue(
             f"masses and radii (m<name>, r<name> pairs); {unknown} are neither, "
             "and load_catalogue would not read them back: write them apart"
         )
-    if jax.process_index() != 0:
-        return None
     root["num_halos"] = int(fields["id"].shape[0])
     if so:
         root["so_definitions"] = _attr(np.asarray(so))
         root["so_centre"] = getattr(catalogue, "centre", "peak" if "peak" in fields else "com")
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"write_catalogue: {path!r} is a directory; give a file path")
-    _make_folder(os.path.dirname(path), path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        _write(tmp, fields, units, {**root, **extra}, cosmology)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    return fields, units, {**root, **extra}, cosmology
 
 
 def _make_folder(folder: str, path: str) -> None:
@@ -293,7 +333,9 @@ def _units(catalogue, units) -> dict:
     return {str(k): str(v) for k, v in dict(units).items()}
 
 
-def _write(path, fields, units, root, cosmology):
+def write_contents(path, fields, units, root, cosmology, extend=None):
+    """Write a catalogue file's contents (:func:`catalogue_contents`) to ``path``, then
+    ``extend(file)`` (an open ``h5py.File``) to add more."""
     import h5py
 
     so = [n for n in fields if n not in FIELDS]
@@ -303,12 +345,16 @@ def _write(path, fields, units, root, cosmology):
             ds = f.create_dataset(name, data=fields[name])
             if name in units:
                 ds.attrs["unit"] = units[name]
+            if name in DESCRIPTIONS:
+                ds.attrs["description"] = DESCRIPTIONS[name]
             if name in so:
                 kind = "mass" if name[0] == "m" else "radius"
                 ds.attrs["definition"] = _so_definition(name[1:], kind, centre)
         f.attrs.update(root)
         f.create_group("cosmology").attrs.update(cosmology)
         f.create_group("units").attrs.update(units)
+        if extend is not None:
+            extend(f)
 
 
 def _check_written_rows(fields: Mapping[str, Any], min_members: int) -> None:

@@ -52,12 +52,13 @@ def main_branches(links) -> np.ndarray:
     id), column ``s`` its main progenitor at snapshot ``s`` (the halo itself in the last
     column), -1 once the branch has begun.
 
-    ``links``: the links of consecutive snapshots, stacked (:func:`snapshot_links`) or a
-    sequence of :class:`~jaxpm_halos.MergerLinks`. Every pair's status is checked.
+    ``links``: the links of consecutive snapshots, stacked (:func:`snapshot_links`), or a
+    sequence of :class:`~jaxpm_halos.MergerLinks` (each pair's status is checked) or of
+    their ``backward`` dicts.
     """
     if isinstance(links, MergerLinks):
         links = [jax.tree.map(lambda x, i=i: x[i], links) for i in range(np.shape(links.id)[0])]
-    backward = [link.to_numpy()[1] for link in links]
+    backward = [link if isinstance(link, dict) else link.to_numpy()[1] for link in links]
     branch = [backward[-1]["id"]]
     for step in reversed(backward):
         main = dict(zip(step["id"].tolist(), step["main_progenitor"].tolist()))
