@@ -27,6 +27,7 @@ from .io import (
     write_run,
 )
 from .knn import knn, knn_density, knn_local, knn_on_decomposition
+from .lightcone import lightcone
 from .merger import MergerLinks, along_branches, main_branches, merger_links, snapshot_links
 from .so import spherical_overdensity
 
@@ -55,6 +56,8 @@ __all__ = [
     "main_branches",
     "merger_links",
     "snapshot_links",
+    # light cone
+    "lightcone",
     # in situ (the JaxPM extension)
     "EXTENSION",
     "InSitu",

@@ -150,3 +150,40 @@ def merger_links_reference(labels_a, ids_a, labels_b, ids_b):
     backward["n_progenitors"] = [main.get(b, (0, -1, 0))[2] for b in backward["id"]]
     as_arrays = lambda d: {k: np.asarray(v, np.int64) for k, v in d.items()}
     return as_arrays(forward), as_arrays(backward)
+
+
+def lightcone_reference(catalogues, times, observer, z_max, omega_m, box_size):
+    """Brute-force light cone (flat LCDM): every halo in every image of a cube of boxes
+    wider than the cone, its crossing found by fixed-point iteration, distances by scipy's
+    quad and brentq. Rows ``(snapshot, id, chi, ra, dec, z_cos, z_obs)``, sorted by ``chi``."""
+    from scipy.integrate import quad
+    from scipy.optimize import brentq
+
+    c = 299792.458
+
+    def chi_of_z(z):
+        e = lambda x: (omega_m * (1 + x) ** 3 + 1 - omega_m) ** -0.5
+        return c / 100 * quad(e, 0, z, epsabs=0, epsrel=1e-12)[0]
+
+    chis = [chi_of_z(1 / a - 1) for a in times]
+    chi_max = chi_of_z(z_max)
+    span = int(np.ceil(chi_max / box_size)) + 1
+    shifts = (np.indices((2 * span + 1,) * 3).reshape(3, -1).T - span) * box_size  # (I, 3)
+    rows = []
+    for s, (catalogue, chi_s) in enumerate(zip(catalogues, chis)):
+        lo = 0.5 * (chi_s + chis[s + 1]) if s + 1 < len(chis) else 0.0
+        hi = min(0.5 * (chi_s + chis[s - 1]) if s > 0 else np.inf, chi_max)
+        for x, v, halo in zip(catalogue["pos"], catalogue["vel"], catalogue["id"]):
+            v = np.asarray(v, float)
+            r = np.asarray(x, float) + shifts - observer  # (I, 3)
+            chi = np.linalg.norm(r, axis=1)
+            for _ in range(20):  # |v| / c ~ 1e-3: converged long before
+                chi = np.linalg.norm(r - np.outer(chi - chi_s, v) / c, axis=1)
+            for p_, d in zip(r - np.outer(chi - chi_s, v) / c, chi):
+                if lo <= d < hi:
+                    z = brentq(lambda z, d=d: chi_of_z(z) - d, 0, 20, xtol=1e-14)
+                    ra = np.degrees(np.arctan2(p_[1], p_[0])) % 360
+                    dec = 90 - np.degrees(np.arccos(p_[2] / d))
+                    z_obs = (1 + z) * (1 + float(v @ p_) / d / c) - 1
+                    rows.append((s, halo, d, ra, dec, z, z_obs))
+    return np.array(sorted(rows, key=lambda row: row[2]))
