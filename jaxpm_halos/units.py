@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -171,3 +172,29 @@ def _so_density(definition: str, omega_m, a):
     if not delta > 0:
         raise ValueError(f"SO definition {definition!r}: Delta must be positive")
     return delta * (critical if match.group(2) == "c" else omega_m * RHO_CRIT)
+
+
+COSMOLOGY = ("Omega_c", "Omega_b", "h", "sigma8", "n_s", "w0", "wa", "Omega_k")
+"""The parameters :func:`cosmology_dict` reads from a jax_cosmo ``Cosmology``."""
+
+
+def cosmology_dict(cosmology, omega_m=None) -> dict:
+    """The parameters of a jax_cosmo ``Cosmology`` or a dict, with ``Omega_m``; checked
+    against the InSitu's ``omega_m`` that set the masses."""
+    if isinstance(cosmology, Mapping):
+        out = {str(k): v for k, v in cosmology.items()}
+    else:
+        missing = [n for n in COSMOLOGY if not hasattr(cosmology, n)]
+        if missing:
+            raise ValueError(
+                f"cosmology must be a jax_cosmo Cosmology or a dict; {cosmology!r} lacks {missing}"
+            )
+        out = {n: float(getattr(cosmology, n)) for n in COSMOLOGY}
+    if "Omega_m" not in out and {"Omega_c", "Omega_b"} <= set(out):
+        out["Omega_m"] = float(out["Omega_c"]) + float(out["Omega_b"])
+    if omega_m is not None and "Omega_m" in out and abs(out["Omega_m"] - omega_m) > 1e-6:
+        raise ValueError(
+            f"the cosmology's Omega_m = {out['Omega_m']:g}, but the InSitu's omega_m = "
+            f"{omega_m:g} set the masses: give the cosmology of the run"
+        )
+    return out

@@ -7,6 +7,7 @@ from conftest import make_mesh
 import jaxpm_halos
 from jaxpm_halos.lightcone.distances import Distances
 from jaxpm_halos.testing.reference import lightcone_reference
+from jaxpm_halos.units import cosmology_dict
 
 pytestmark = pytest.mark.newest
 NC, BOX, STEPS, OMEGA_M = 32, 32.0, 10, 0.2986
@@ -60,8 +61,6 @@ def test_distances_match_jax_cosmo():
     jc = pytest.importorskip("jax_cosmo")
     cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
     a = np.array([1.0, 0.75, 0.5, 0.25])
-    from jaxpm_halos.io.run import cosmology_dict
-
     ours = Distances(cosmology_dict(cosmo), 0.2).of_a(a)
     # jax_cosmo integrates in float32 on a coarse table: 4e-4 off at a = 0.75 (ours is
     # exact to 1e-10 against scipy's quad, in test_lightcone_matches_brute_force)

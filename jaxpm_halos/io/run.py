@@ -31,11 +31,11 @@ import numpy as np
 
 from ..core.config import MergerConfig
 from ..merger.tree import along_branches, main_branches, snapshot_links
+from ..units import cosmology_dict
 from .catalogue import LoadedCatalogue, _attr, catalogue_contents, load_catalogue, write_contents
 from .members import halo_members
 
 FORMAT, VERSION = "jaxpm_halos.run", 1
-COSMOLOGY = ("Omega_c", "Omega_b", "h", "sigma8", "n_s", "w0", "wa", "Omega_k")
 
 MEMBER_DESCRIPTIONS = {
     "offset": "first row in ids of each halo's members (rows aligned with the catalogue)",
@@ -64,6 +64,7 @@ def write_run(
     seed: int | None = None,
     attrs: Mapping | None = None,
     links: MergerConfig = MergerConfig(),
+    lightcone: Mapping | None = None,
     throw: bool = True,
 ):
     """Write an in-situ run's catalogues, members, merger links and tree to ``directory``.
@@ -79,6 +80,9 @@ def write_run(
       steps, seed: the run's PM steps and seed, recorded when given.
       attrs: more root attributes of ``run.h5`` (numbers, strings or arrays).
       links: the pair buffer of :func:`~jaxpm_halos.merger_links`.
+      lightcone: also write the halo light cone of these snapshots,
+        ``{"observer": (x, y, z), "z_max": z}`` (see :func:`~jaxpm_halos.lightcone`);
+        it needs the ``vel`` field.
       throw: refuse a snapshot whose status failed (``False``: write it anyway).
 
     Returns ``directory`` on process 0, None on the others. Collective when
@@ -95,6 +99,7 @@ def write_run(
             f"got {times}"
         )
     cosmology = cosmology_dict(cosmology, insitu.omega_m)
+    cosmology = {k: _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
     nc = np.shape(labels)[-1]
     snapshots = []
     for i, a in enumerate(times):
@@ -115,13 +120,34 @@ def write_run(
         snapshots.append((contents, members))
     pair_links = _links(labels, catalogue, links, throw) if len(times) > 1 else []
     root = _run_attrs(insitu, nc, labels, times, steps, seed, attrs)
+    cone = None
+    if lightcone is not None:
+        cone = _lightcone([c[0] for c, _ in snapshots], times, cosmology, insitu, lightcone)
+        root.update(lightcone_observer=np.asarray(lightcone["observer"], float))
+        root.update(lightcone_z_max=float(lightcone["z_max"]))
     if jax.process_index() != 0:
         return None
     directory = os.fspath(directory)
     _replace_directory(
-        directory, lambda tmp: _write_all(tmp, root, cosmology, snapshots, pair_links)
+        directory, lambda tmp: _write_all(tmp, root, cosmology, snapshots, pair_links, cone)
     )
     return directory
+
+
+def _lightcone(catalogues, times, cosmology, insitu, settings) -> dict:
+    from ..lightcone import lightcone
+
+    unknown = set(settings) - {"observer", "z_max"}
+    if unknown:
+        raise ValueError(f"lightcone takes observer and z_max; got {sorted(unknown)}")
+    return lightcone(
+        catalogues,
+        times,
+        observer=settings["observer"],
+        z_max=settings["z_max"],
+        cosmology=cosmology,
+        box_size=insitu.box_size,
+    )
 
 
 def _fof_outputs(out) -> Mapping:
@@ -137,28 +163,6 @@ def _fof_outputs(out) -> Mapping:
             "use write_catalogue"
         )
     return fof
-
-
-def cosmology_dict(cosmology, omega_m=None) -> dict:
-    """The parameters of a jax_cosmo ``Cosmology`` or a dict, with ``Omega_m``; checked
-    against the InSitu's ``omega_m`` that set the masses."""
-    if isinstance(cosmology, Mapping):
-        out = {str(k): _attr(v, f"cosmology[{k!r}]") for k, v in cosmology.items()}
-    else:
-        missing = [n for n in COSMOLOGY if not hasattr(cosmology, n)]
-        if missing:
-            raise ValueError(
-                f"cosmology must be a jax_cosmo Cosmology or a dict; {cosmology!r} lacks {missing}"
-            )
-        out = {n: float(getattr(cosmology, n)) for n in COSMOLOGY}
-    if "Omega_m" not in out and {"Omega_c", "Omega_b"} <= set(out):
-        out["Omega_m"] = float(out["Omega_c"]) + float(out["Omega_b"])
-    if omega_m is not None and "Omega_m" in out and abs(out["Omega_m"] - omega_m) > 1e-6:
-        raise ValueError(
-            f"the cosmology's Omega_m = {out['Omega_m']:g}, but the InSitu's omega_m = "
-            f"{omega_m:g} set the masses: give the cosmology of the run"
-        )
-    return out
 
 
 def _check_members(members, fields, snapshot: int) -> None:
@@ -241,7 +245,7 @@ def _replace_directory(directory: str, write) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_all(tmp, root, cosmology, snapshots, pair_links) -> None:
+def _write_all(tmp, root, cosmology, snapshots, pair_links, cone) -> None:
     import h5py
 
     for i, (contents, members) in enumerate(snapshots):
@@ -263,7 +267,24 @@ def _write_all(tmp, root, cosmology, snapshots, pair_links) -> None:
             _dataset(tree, "main_branch", branches, "", _BRANCH)
             mass = along_branches(branches, catalogues, "mass")
             _dataset(tree, "mass", mass, mass_unit, "FoF mass along the main branch; NaN: none")
+        if cone is not None:
+            group = f.create_group("lightcone")
+            units = snapshots[0][0][1]
+            for name, value in cone.items():
+                unit, description = CONE_FIELDS.get(name, (units.get(name, ""), ""))
+                description = description or f"the halo's {name} at its snapshot"
+                _dataset(group, name, value, unit, description)
 
+
+CONE_FIELDS = {
+    "snapshot": ("", "index of the snapshot the halo is taken from"),
+    "chi": ("Mpc/h", "comoving distance from the observer where the halo meets the light cone"),
+    "cone_pos": ("Mpc/h", "position on the light cone, relative to the observer"),
+    "ra": ("degree", "right ascension, about the box's z axis from its x axis"),
+    "dec": ("degree", "declination from the box's x-y plane"),
+    "z_cos": ("", "cosmological redshift at the crossing"),
+    "z_obs": ("", "observed redshift: (1 + z_cos)(1 + v_r / c) - 1"),
+}
 
 _BRANCH = (
     "one row per halo of the last snapshot; column s: the id of its main progenitor at "
@@ -314,6 +335,8 @@ class LoadedRun:
       cosmology: the cosmological parameters.
       a, redshift: the snapshots' scale factors and redshifts.
       tree: ``{"main_branch", "mass"}`` (empty with one snapshot).
+      lightcone: the halo light cone's fields (see :func:`~jaxpm_halos.lightcone`), or
+        None when it was not written.
     """
 
     directory: str
@@ -322,6 +345,7 @@ class LoadedRun:
     a: np.ndarray
     redshift: np.ndarray
     tree: dict
+    lightcone: dict | None = None
 
     def __len__(self) -> int:
         return len(self.a)
@@ -383,4 +407,5 @@ def load_run(directory) -> LoadedRun:
             f["a"][()],
             f["redshift"][()],
             {k: v[()] for k, v in f["tree"].items()},
+            {k: v[()] for k, v in f["lightcone"].items()} if "lightcone" in f else None,
         )

@@ -15,10 +15,9 @@ and their masses stay those of the nearest snapshot in distance.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
+from ..units import cosmology_dict
 from .distances import C_KMS, Distances
 
 
@@ -54,8 +53,6 @@ def lightcone(
       ``z_obs`` (with the line-of-sight peculiar velocity, ``(1 + z_cos)(1 + v_r / c) - 1``).
       Sorted by ``chi``.
     """
-    from ..io.run import cosmology_dict
-
     times = np.asarray(times, np.float64)
     if len(catalogues) != len(times) or np.any(np.diff(times) <= 0):
         raise ValueError(f"give one catalogue per snapshot and increasing times; got {times}")
@@ -117,15 +114,14 @@ def _shell(catalogue, snapshot: int, chi_i: float, edges, observer, box_size: fl
 
 
 def _images(observer, box_size: float, inner: float, outer: float):
-    """Shifts ``n * box_size`` of the box images holding points at distances in
+    """(I, 3) shifts ``n * box_size`` of the box images holding points at distances in
     ``[inner, outer]`` from the observer."""
     span = int(np.ceil(outer / box_size)) + 1
-    for n in itertools.product(range(-span, span + 1), repeat=3):
-        lo = np.asarray(n, np.float64) * box_size - observer  # the image's corner
-        nearest = np.linalg.norm(np.clip(0.0, lo, lo + box_size))
-        farthest = np.linalg.norm(np.maximum(np.abs(lo), np.abs(lo + box_size)))
-        if nearest <= outer and farthest >= inner:
-            yield np.asarray(n, np.float64) * box_size
+    n = np.indices((2 * span + 1,) * 3).reshape(3, -1).T - span  # (I, 3)
+    lo = n * box_size - observer  # each image's lower corner, from the observer
+    nearest = np.linalg.norm(np.clip(0.0, lo, lo + box_size), axis=1)
+    farthest = np.linalg.norm(np.maximum(np.abs(lo), np.abs(lo + box_size)), axis=1)
+    return n[(nearest <= outer) & (farthest >= inner)] * float(box_size)
 
 
 def _crossing(rel, w, chi_i):
