@@ -1,4 +1,5 @@
-"""Plots of a snapshot's halos: the mass function against a fit, and a density slice.
+"""Plots of a run's halos: the mass function against a fit, a density slice, and the mass
+accretion histories of the main branches.
 
 Uses matplotlib with the Agg backend (files only, no display). The measured mass function
 and the fits (Watson et al. 2013, Sheth & Tormen 1999, Tinker et al. 2008) are
@@ -33,6 +34,7 @@ __all__ = [
     "linear_power",
     "mass_function_fit",
     "measured_mass_function",
+    "plot_accretion_histories",
     "plot_density_slice",
     "plot_mass_function",
     "ratio_above",
@@ -367,3 +369,51 @@ def plot_density_slice(
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return {"image": image, "halos_in_slab": n_halos, "particles_in_slab": len(slab)}
+
+
+def plot_accretion_histories(
+    path,
+    a,
+    mass,
+    *,
+    top: int = 10,
+    normalise: bool = False,
+    mass_unit: str = "Msun/h",
+    title: str | None = None,
+) -> dict:
+    """Mass accretion histories: the main-branch masses of the ``top`` most massive haloes
+    of the last snapshot against the scale factor.
+
+    Args:
+      path: PNG file to write.
+      a: ``(S,)`` the snapshots' scale factors.
+      mass: ``(H, S)`` masses along the main branches, NaN before a branch began:
+        :func:`jaxpm_halos.along_branches` of :func:`jaxpm_halos.main_branches`, or a run
+        directory's ``load_run(d).tree["mass"]``.
+      top: how many haloes to draw (the most massive at the last snapshot).
+      normalise: draw ``M(a) / M(a_last)`` instead of the masses.
+      mass_unit: the masses' unit, for the axis label.
+
+    Returns ``{"rows", "median_half_mass_a"}``: the rows drawn, and the median over them of
+    the earliest snapshot's ``a`` at which the branch held half its final mass (NaN when
+    none did at a snapshot).
+    """
+    plt = _pyplot()
+    a = np.asarray(a, np.float64)
+    mass = np.asarray(mass, np.float64).reshape(-1, len(a))
+    final = np.nan_to_num(mass[:, -1], nan=-np.inf)
+    rows = np.argsort(final, kind="stable")[::-1][: min(top, len(final))]
+    shown = mass[rows] / (mass[rows, -1:] if normalise else 1.0)
+    half = mass[rows] >= 0.5 * mass[rows, -1:]
+    first = np.where(half.any(axis=1), a[np.argmax(half, axis=1)], np.nan)
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    for values in shown:
+        ax.plot(a, values, marker="o", markersize=3, linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("scale factor a")
+    ax.set_ylabel(r"$M(a) / M(a_{\rm last})$" if normalise else f"main-branch mass [{mass_unit}]")
+    ax.set_title(title or f"main branches of the {len(rows)} most massive haloes", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    median = float(np.nanmedian(first)) if np.isfinite(first).any() else float("nan")
+    return {"rows": rows, "median_half_mass_a": median}

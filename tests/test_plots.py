@@ -217,3 +217,15 @@ def test_haloes_of_exactly_min_members_particles_are_counted_and_binned(tmp_path
             plots.ratio_above(
                 np.append(mass, bad), box_size=128.0, cosmology=COSMOLOGY, min_mass=20 * mp
             )
+
+
+def test_plot_accretion_histories(tmp_path):
+    from jaxpm_halos.plots import plot_accretion_histories
+
+    a = np.array([0.5, 0.75, 1.0])
+    mass = np.array([[np.nan, 2.0, 4.0], [1.0, 3.0, 8.0], [1.0, 1.0, 1.0], [np.nan, np.nan, 2.0]])
+    out = plot_accretion_histories(tmp_path / "mah.png", a, mass, top=3)
+    assert (tmp_path / "mah.png").stat().st_size > 1000
+    assert out["rows"].tolist() == [1, 0, 3]  # the most massive at a = 1
+    # half the final mass first held at a = 1.0 (row 1: 3 < 4), 0.75 (row 0), 1.0 (row 3)
+    assert out["median_half_mass_a"] == 1.0

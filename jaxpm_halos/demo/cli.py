@@ -23,7 +23,7 @@ from .report import (
     print_table,
     snapshot_rows,
     time_analyses,
-    write_catalogues,
+    write_run_directory,
 )
 
 
@@ -52,8 +52,9 @@ def _simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--snapshots",
-        default="0.5,1.0",
-        help="scale factors of the in-situ snapshots; the run ends at the last (default 0.5,1.0)",
+        default="0.5,0.625,0.75,0.875,1.0",
+        help="scale factors of the in-situ snapshots; the run ends at the last (default "
+        "0.5,0.625,0.75,0.875,1.0)",
     )
     parser.add_argument(
         "--mesh",
@@ -141,7 +142,14 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default="halos_out",
-        help="output folder for the catalogues and plots (default halos_out)",
+        help="output folder for the run directory (out/run) and plots (default halos_out)",
+    )
+    parser.add_argument(
+        "--lightcone-z",
+        type=float,
+        default=0.25,
+        help="redshift to which the run directory's halo light cone reaches, for an observer "
+        "at the box centre (default 0.25; 0: none)",
     )
 
 
@@ -349,9 +357,7 @@ def main(argv=None) -> int:
 
     if lead:
         os.makedirs(args.out, exist_ok=True)
-    catalogues = write_catalogues(
-        result.saved, snapshots, args, insitu, cosmology, mass, shape, pm_nc
-    )
+    catalogues = write_run_directory(result.saved, snapshots, args, insitu, cosmology)
     rows = snapshot_rows(result.saved, snapshots, catalogues, t_snap)
     if lead:
         print_table(rows, t_off, args.steps, result.run_s, args.timing, args.k)

@@ -47,40 +47,47 @@ def time_analyses(result: SimulationResult, timing: str, say):
     return t_off, t_snap + [result.run_s - t_off - sum(t_snap)]
 
 
-def write_catalogues(
-    saved, snapshots, args, insitu, cosmology: dict, mass: float, shape, pm_nc: int
-):
-    """The FoF catalogue of each snapshot (None without FoF), each written to
-    ``halos_a{a:.4f}.h5`` in ``args.out``."""
-    import numpy as np
-
-    from ..io.catalogue import gather_catalogue, write_catalogue
+def write_run_directory(saved, snapshots, args, insitu, cosmology: dict):
+    """The FoF catalogue of each snapshot (None without FoF), with the whole run (members,
+    merger links and tree, light cone) written to ``args.out/run`` by
+    :func:`jaxpm_halos.write_run`, and the accretion histories plotted."""
+    from ..io.catalogue import gather_catalogue
+    from ..io.run import write_run
 
     if "fof" not in saved:
         return [None] * len(snapshots)
-    catalogues = []
-    for i, a in enumerate(snapshots):
-        cat = gather_catalogue(saved["fof"]["catalogue"], snapshot=i)
-        write_catalogue(
-            os.path.join(args.out, f"halos_a{a:.4f}.h5"),
-            cat,
-            box_size=args.box,
-            nc=args.nc,
-            a=a,
-            cosmology=cosmology,
-            linking_length=insitu.b * args.box / args.nc,
-            b=insitu.b,
-            min_members=insitu.min_members,
-            units=dict(saved["fof"]["catalogue"].units),
-            attrs=dict(
-                particle_mass=mass,
-                steps=args.steps,
-                seed=args.seed,
-                mesh=np.asarray(shape),
-                pm_nc=pm_nc,
-            ),
+    catalogues = [
+        gather_catalogue(saved["fof"]["catalogue"], snapshot=i) for i in range(len(snapshots))
+    ]
+    cone = {"observer": (args.box / 2,) * 3, "z_max": args.lightcone_z}
+    path = write_run(
+        os.path.join(args.out, "run"),
+        saved,
+        insitu,
+        times=snapshots,
+        cosmology=cosmology,
+        steps=args.steps,
+        seed=args.seed,
+        lightcone=cone if args.lightcone_z > 0 else None,
+    )
+    if path is not None and len(snapshots) > 1:
+        from ..io.run import load_run
+        from ..plots import plot_accretion_histories
+
+        run = load_run(path)
+        history = plot_accretion_histories(
+            os.path.join(args.out, "accretion_histories.png"),
+            run.a,
+            run.tree["mass"],
+            title=f"main branches of the 10 most massive haloes at a = {snapshots[-1]:g}",
         )
-        catalogues.append(cat)
+        cone_rows = 0 if run.lightcone is None else len(run.lightcone["id"])
+        print(
+            f"wrote {path}: {len(snapshots)} snapshots with members and merger links, the "
+            f"tree of {len(run.tree['main_branch'])} haloes (the 10 largest held half their "
+            f"final mass from a = {history['median_half_mass_a']:.3g}, median), and a light "
+            f"cone of {cone_rows} haloes to z = {args.lightcone_z:g}"
+        )
     return catalogues
 
 
@@ -153,8 +160,8 @@ def plot_final(
         bins=min(args.nc, 512),
         title=f"a = {a:g}: projected density of z in [0, {args.box / 8:g}) Mpc/h, FoF halo centres",
     )
-    files = sorted(f for f in os.listdir(args.out) if f.startswith("halos_a"))
-    written = files + [os.path.basename(mf), os.path.basename(sl)]
+    written = ["run", "accretion_histories.png", os.path.basename(mf), os.path.basename(sl)]
+    written = [f for f in written if os.path.exists(os.path.join(args.out, f))]
     print(f"wrote {', '.join(os.path.join(args.out, f) for f in written)}")
 
 
