@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -284,9 +285,22 @@ class InSitu:
                 f"direction ({order if known else 'one direction'}); pass "
                 f"{sorted(ts.tolist(), reverse=backward)}"
             )
+        _quiet_integer_fill()
         return diffrax.SaveAt(
             ts=jnp.asarray(ts), fn=skip_no_step_save(lambda t, y, args: self(y, t, times=ts))
         )
+
+
+def _quiet_integer_fill() -> None:
+    """Silence numpy's "invalid value encountered in cast" from JAX's ``lax`` module.
+
+    diffrax fills its output buffers with inf (and refills unsaved rows with it); for the
+    integer outputs (labels, ids, counts) JAX casts that inf to int while tracing, and numpy
+    warns at every trace of the user's solve. The rows are overwritten. The filter matches
+    only that message from that module."""
+    warnings.filterwarnings(
+        "ignore", "invalid value encountered in cast", RuntimeWarning, r"jax\._src\.lax\.lax"
+    )
 
 
 def _so_densities(insitu: InSitu, given, a, times):
