@@ -1,0 +1,50 @@
+"""The example scripts run as documented: the in-situ run on one process, and its
+multi-host version through the local two-process launch, which must write the same run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from conftest import requires_jaxpm
+
+import jaxpm_halos
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SMALL = ["--nc", "32", "--box", "64", "--steps", "5", "--pm-factor", "2", "--z-max", "0.05"]
+pytestmark = requires_jaxpm
+
+
+def run(command, env=None):
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600, cwd=EXAMPLES.parent
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def assert_same_run(a, b):
+    assert len(a) == len(b) and a.attrs["mesh_shape"].tolist() == b.attrs["mesh_shape"].tolist()
+    for i in range(len(a)):
+        for get in (a.catalogue, a.member_table, a.links):
+            mine, theirs = get(i), getattr(b, get.__name__)(i)
+            for name in mine.keys():
+                np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+    for part in ("tree", "lightcone"):
+        for name, value in getattr(a, part).items():
+            np.testing.assert_array_equal(value, getattr(b, part)[name], err_msg=name)
+
+
+def test_single_and_two_process_runs_write_the_same_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script's 8 devices
+    out = run(
+        [sys.executable, "examples/insitu_run.py", *SMALL, "--out", str(tmp_path / "one")], env
+    )
+    assert "3 snapshots on mesh (2, 4)" in out
+    one = jaxpm_halos.load_run(tmp_path / "one")
+    assert len(one.catalogue(-1)) > 20 and "m200m" in one.catalogue(-1)
+    launch = ["bash", "examples/launch_local.sh", *SMALL, "--out", str(tmp_path / "two")]
+    out = run(launch, dict(os.environ, PYTHON=sys.executable))
+    assert out.count("wrote") == 1  # process 0 writes and reports
+    assert_same_run(one, jaxpm_halos.load_run(tmp_path / "two"))
