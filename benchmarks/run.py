@@ -17,6 +17,8 @@ size) it times, after a warm-up, the minimum of several runs of:
 * spherical-overdensity masses (200 times the mean density, about every FoF halo's
   centre of mass) against cKDTree.query_ball_point plus a sort per centre, at 64^3 and
   128^3, and the in-situ cost of adding SO (200c, 200m, vir about the density peak);
+* what a run directory adds per snapshot at 64^3 (merger links, member ids, light cone),
+  against one PM step;
 * the in-situ recipe of docs/insitu.md (64^3, 128 Mpc/h, 10 LeapfrogMidpoint steps, mesh (2, 4))
   with 1, 2 and 5 save times through ``InSitu.saveat``: the extra time per snapshot in PM
   steps of that solve, and the XLA temporaries of its compiled solve with and without the
@@ -234,6 +236,72 @@ def pm_and_insitu(nc, rows):
             warm=warm,
             ref="PM step",
             ref_time=t_pm,
+        )
+    )
+    print(rows[-1], flush=True)
+
+
+def run_products(nc, rows):
+    """What a run directory adds per snapshot at nc^3 on (2, 4): the merger links between
+    consecutive snapshots (jitted, on the devices), the member ids (host) and the light cone
+    to z = 0.1 (host), against one PM step. Three snapshots of one JaxPM run (a = 0.5,
+    0.75, 1), their catalogues from InSitu; links and members checked against the serial
+    reference and the catalogue counts."""
+    import jax_cosmo as jc
+    from jaxpm.pm import make_diffrax_ode
+
+    from jaxpm_halos.testing.reference import merger_links_reference
+    from jaxpm_halos.testing.snapshots import jaxpm_history
+
+    mesh, times = mesh_of((2, 4)), (0.5, 0.75, 1.0)
+    history = jaxpm_history(nc, float(nc), 20, times)
+    sharding = NamedSharding(mesh, P(None, "x", "y"))
+    states = [
+        jax.device_put(np.stack([d, m]), sharding) for d, m in zip(history["disp"], history["mom"])
+    ]
+    insitu = jh.InSitu(box_size=float(nc), analyses=("fof",), omega_m=history["omega_m"])
+    outs = [insitu(y, a)["fof"] for y, a in zip(states, times)]
+    catalogues = [out["catalogue"].to_numpy() for out in outs]
+    pair = (outs[1]["labels"], outs[1]["catalogue"], outs[2]["labels"], outs[2]["catalogue"])
+    link = jax.jit(jh.merger_links)
+    first, t_links, links = timed(lambda: link(*pair))
+    expected = merger_links_reference(
+        np.asarray(pair[0]), catalogues[1]["id"], np.asarray(pair[2]), catalogues[2]["id"]
+    )
+    for got, want in zip(links.to_numpy(), expected):
+        if any(not np.array_equal(got[k], want[k]) for k in want):
+            raise AssertionError("merger_links differs from the serial reference")
+    labels = outs[2]["labels"]
+    t_members, members = min_time(lambda: jh.halo_members(labels, catalogues[2]["id"]))
+    if not np.array_equal(members["count"], catalogues[2]["count"]):
+        raise AssertionError("halo_members disagrees with the catalogue's counts")
+    cosmology = {"Omega_m": history["omega_m"]}
+    cone = lambda: jh.lightcone(
+        catalogues, times, observer=(nc / 2,) * 3, z_max=0.1, cosmology=cosmology, box_size=nc
+    )
+    t_cone = min_time(cone)[0] / len(times)
+    step = jax.jit(
+        lambda y: make_diffrax_ode(
+            (nc,) * 3,
+            paint_absolute_pos=False,
+            halo_size=min(nc // 4, 24),
+            sharding=NamedSharding(mesh, P("x", "y")),
+        )(1.0, y, jc.Planck15(Omega_c=0.25, sigma8=0.8))
+    )
+    _, t_pm, _ = timed(lambda: step(states[-1]))
+    rows.append(
+        dict(
+            size=nc,
+            kind="jaxpm",
+            what=tables.PRODUCTS,
+            where="8 dev (2,4)",
+            n=nc**3,
+            first=first + t_members + t_cone,
+            warm=t_links + t_members + t_cone,
+            ref="PM step",
+            ref_time=t_pm,
+            parts={"links": t_links, "members": t_members, "light cone": t_cone},
+            halos=len(catalogues[2]["id"]),
         )
     )
     print(rows[-1], flush=True)
@@ -534,6 +602,8 @@ def main(argv=None):
             bench_size(nc, kind, rows)
         if nc == 64 or nc == max(args.sizes):
             pm_and_insitu(nc, rows)
+        if nc == 64:
+            run_products(nc, rows)
         if nc >= 64:
             bench_so(nc, rows)
         if nc == RECIPE["nc"]:

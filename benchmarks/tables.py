@@ -36,6 +36,9 @@ MEMORY_LIMITS = {"fof": 1024, "knn_density k=16": 2048}  # warm peak RSS, B/part
 KNN_TEMP_LIMIT = 400  # XLA temporaries of knn_density k=16, B/particle, 64^3 and 128^3
 INSITU_LIMIT = 6.0  # PM steps per snapshot through InSitu.saveat, the recipe
 SOLVE_MEMORY_LIMIT = 1.3  # the recipe's solve temporaries with / without the analyses
+# What a run directory adds per snapshot (merger links, members, light cone), 64^3, PM steps.
+PRODUCTS = "run products: links+members+light cone z<0.1, per snapshot"
+PRODUCTS_LIMIT = 1.0
 # run.py rewrites the report above this line and keeps the hand-written part below it.
 KEEP_BELOW = "<!-- run.py keeps everything below this line -->"
 
@@ -132,7 +135,19 @@ def _recipe_targets(rows, solve_memory):
     target = (
         f"the recipe's solve temporaries with FoF + kNN density <= {SOLVE_MEMORY_LIMIT:g}x without"
     )
-    return [insitu, _judged(target, found, SOLVE_MEMORY_LIMIT)]
+    products = [
+        (f"{r['size']}^3", _ratio(r), ", ".join(f"{k} {v:.3f} s" for k, v in r["parts"].items()))
+        for r in rows
+        if r["what"] == PRODUCTS
+    ]
+    target_products = (
+        f"merger links, member ids and light cone <= {PRODUCTS_LIMIT:g} PM step per snapshot"
+    )
+    return [
+        insitu,
+        _judged(target, found, SOLVE_MEMORY_LIMIT),
+        _judged(target_products, products, PRODUCTS_LIMIT, " PM steps", 2),
+    ]
 
 
 def growth_row(rows):

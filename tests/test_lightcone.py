@@ -23,7 +23,7 @@ def catalogues():
     from jaxpm_halos.testing.snapshots import jaxpm_history
 
     out = []
-    for disp in jaxpm_history(NC, BOX, STEPS)[0]:
+    for disp in jaxpm_history(NC, BOX, STEPS)["disp"]:
         disp = jax.device_put(disp, NamedSharding(make_mesh((2, 4)), P("x", "y")))
         particles = jaxpm_halos.from_jaxpm(disp, box_size=BOX)
         rng = np.random.default_rng(len(out))  # velocities of halo size, any direction

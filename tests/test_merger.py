@@ -20,7 +20,7 @@ NC, BOX, STEPS = 32, 32.0, 10
 def history():
     from jaxpm_halos.testing.snapshots import jaxpm_history
 
-    return jaxpm_history(NC, BOX, STEPS)[0]  # (3, nc, nc, nc, 3)
+    return jaxpm_history(NC, BOX, STEPS)["disp"]  # (3, nc, nc, nc, 3)
 
 
 def snapshots_on(history, shape):
@@ -126,3 +126,16 @@ def test_tree_of_an_in_situ_run():
             main.get(b, -1) if b >= 0 else -1 for b in branches[:, s + 1]
         ]
     assert (branches[:, 0] >= 0).mean() > 0.3  # most of today's haloes existed at a = 0.5
+
+
+def test_two_key_sort_gives_the_same_links(history, monkeypatch):
+    """Catalogues too large for one uint32 sort key take a two-key sort: same links."""
+    from jaxpm_halos.merger import links
+
+    snapshots = snapshots_on(history, (2, 4))
+    monkeypatch.setattr(links, "_ONE_KEY_LIMIT", 0)
+    jaxpm_halos.clear_caches()
+    assert_links_equal(
+        jaxpm_halos.merger_links(*snapshots[0], *snapshots[1]), reference(snapshots, 0)
+    )
+    jaxpm_halos.clear_caches()

@@ -96,21 +96,28 @@ def _shell(catalogue, snapshot: int, chi_i: float, edges, observer, box_size: fl
     # How far a drift moves a halo at most (|v| / c is ~1e-3): images this much beyond
     # the shell may still cross inside it.
     drift = np.linalg.norm(w, axis=-1).max(initial=0.0) * (outer + chi_i) + 1e-6
+    shifts = _images(observer, box_size, inner - drift, outer + drift)  # (I, 3)
+    chunk = max(1, _CHUNK // max(len(pos), 1))  # images per step: bounded temporaries
     kept = {k: [] for k in ("row", "chi", "cone_pos")}
-    for shift in _images(observer, box_size, inner - drift, outer + drift):
-        rel = pos + shift - observer  # (H, 3)
-        chi = _crossing(rel, w, chi_i)  # (H,)
-        hit = (chi >= inner) & (chi < outer)
-        rows = np.flatnonzero(hit)
-        kept["row"].append(rows)
-        kept["chi"].append(chi[rows])
-        kept["cone_pos"].append(rel[rows] - w[rows] * (chi[rows] - chi_i)[:, None])
-    rows = np.concatenate(kept["row"]) if kept["row"] else np.zeros(0, int)
+    for start in range(0, len(shifts), chunk):
+        rel = pos + (shifts[start : start + chunk, None] - observer)  # (C, H, 3)
+        chi = _crossing(rel, w, chi_i)  # (C, H)
+        image, row = np.nonzero((chi >= inner) & (chi < outer))
+        kept["row"].append(row)
+        kept["chi"].append(chi[image, row])
+        drifted = rel[image, row] - w[row] * (chi[image, row] - chi_i)[:, None]
+        kept["cone_pos"].append(drifted)
+    joined = {k: np.concatenate(v) if v else None for k, v in kept.items()}
+    rows = joined["row"] if joined["row"] is not None else np.zeros(0, int)
     out = {k: np.asarray(v)[rows] for k, v in catalogue.items()}
     out["snapshot"] = np.full(rows.shape, snapshot, np.int32)
-    out["chi"] = np.concatenate(kept["chi"]) if kept["chi"] else np.zeros(0)
-    out["cone_pos"] = np.concatenate(kept["cone_pos"]) if kept["cone_pos"] else np.zeros((0, 3))
+    out["chi"] = joined["chi"] if joined["chi"] is not None else np.zeros(0)
+    out["cone_pos"] = joined["cone_pos"] if joined["cone_pos"] is not None else np.zeros((0, 3))
     return out
+
+
+# Halo images handled at once: 4M, about 100 MB of float64 temporaries.
+_CHUNK = 2**22
 
 
 def _images(observer, box_size: float, inner: float, outer: float):

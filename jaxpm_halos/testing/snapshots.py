@@ -129,10 +129,10 @@ def jaxpm_snapshot(
 
 def jaxpm_history(
     nc: int, box: float, steps: int, times=(0.5, 0.75, 1.0), seed: int = 0
-) -> tuple[np.ndarray, float]:
-    """``(disp, omega_m)``: the displacements ``(len(times), nc, nc, nc, 3)`` of one JaxPM
-    run on a ``(2, 4)`` mesh at the scale factors ``times`` (the merger tests' snapshots),
-    from the disk cache when available."""
+) -> dict[str, np.ndarray]:
+    """One JaxPM run on a ``(2, 4)`` mesh at the scale factors ``times`` (the merger and
+    run-product snapshots), from the disk cache when available: ``{"disp", "mom"}``, each
+    ``(len(times), nc, nc, nc, 3)`` as JaxPM's ``y[0]`` and ``y[1]``, and ``"omega_m"``."""
     key = "_".join(f"{a:g}" for a in times)
     path = cache_path(nc, float(box), steps, seed, (2, 4)).with_suffix(f".a{key}.npz")
     if not path.exists():
@@ -141,10 +141,11 @@ def jaxpm_history(
         run = run_simulation(nc, float(box), steps, times, mesh=make_mesh((2, 4)), seed=seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, disp=np.asarray(run.saved[:, 0]), omega_m=run.omega_m)
+        saved = np.asarray(run.saved)
+        np.savez(tmp, disp=saved[:, 0], mom=saved[:, 1], omega_m=run.omega_m)
         os.replace(tmp, path)
     with np.load(path) as f:
-        return f["disp"], float(f["omega_m"])
+        return {"disp": f["disp"], "mom": f["mom"], "omega_m": float(f["omega_m"])}
 
 
 def snapshot_particles(nc: int, box: float, steps: int, mesh_shape=(2, 4)):
