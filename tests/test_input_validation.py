@@ -525,11 +525,10 @@ def test_given_ids_label_the_groups_and_padding_ids_are_not_checked():
 @pytest.mark.parametrize(
     "shape", [(2, 4), pytest.param((1, 1), marks=pytest.mark.slow)], ids=["mesh2x4", "mesh1x1"]
 )
-def test_repeated_ids_on_devices_that_merge_groups_fail_the_status(shape):
-    """Ids already on devices are not checked for repeats when made (that would take a
-    global sort); FoF counts the groups holding their smallest id twice: clumps A and B
-    (apart) share it and come back as one catalogue row, and C holds its own twice. A
-    repeated id that is no group's smallest changes nothing and is not counted."""
+def test_repeated_ids_on_devices_fail_the_status(shape):
+    """Ids already on devices are not checked for repeats when made; FoF counts every
+    repeat: clumps A and B (apart) share their smallest id, C holds its own twice, and two
+    background particles share an id that is no group's smallest."""
     rng = np.random.default_rng(6)
     pos = np.concatenate(
         [
@@ -546,19 +545,55 @@ def test_repeated_ids_on_devices_that_merge_groups_fail_the_status(shape):
     mesh = make_mesh(shape)
     rows = NamedSharding(mesh, P(("x", "y")))
     particles = jh.Particles.create(jax.device_put(pos, rows), 10.0, id=jax.device_put(ids, rows))
-    with pytest.raises(jh.InvalidInputError, match=r"particle ids repeat: FoF groups \(2\)"):
+    with pytest.raises(jh.InvalidInputError, match=r"particle ids repeat \(3 repeats found\)"):
         jh.fof(particles, linking_length=0.5, min_members=20)
     status = jax.jit(lambda p: jh.fof(p, linking_length=0.5, min_members=20)[1].status)(particles)
-    assert int(status.repeated_ids) == 2 and not bool(status.ok)
-    assert status.failure() == jh.Failure(jh.FailureKind.REPEATED_IDS, 2)
+    assert int(status.repeated_ids) == 3 and not bool(status.ok)
+    assert status.failure() == jh.Failure(jh.FailureKind.REPEATED_IDS, 3)
     if shape != (1, 1):  # the runtime check inside jit, on every device of the mesh
 
         def checked(p):
             labels, cat = jh.fof(p, linking_length=0.5, min_members=20)
             return cat.status.error_if(labels)
 
-        with pytest.raises(Exception, match=r"particle ids repeat: FoF groups \(2\)"):
+        with pytest.raises(Exception, match=r"particle ids repeat \(3 repeats found\)"):
             jax.block_until_ready(jax.jit(checked)(particles))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8), (1, 1)], ids=["mesh2x4", "mesh1x8", "mesh1x1"])
+def test_repeated_ids_of_groups_below_min_members_are_caught(shape):
+    """The probe's case: groups too small for the catalogue, whole on different devices,
+    sharing their smallest id (pairs at opposite corners, and isolated particles); also by
+    fof_local inside the caller's shard_map."""
+    rng = np.random.default_rng(7)
+    pos = rng.uniform(0, 10.0, (256, 3)).astype(np.float32)
+    pos[:2] = [[0.5, 0.5, 0.5], [0.52, 0.5, 0.5]]  # a pair ...
+    pos[2:4] = [[9.0, 9.0, 5.0], [9.02, 9.0, 5.0]]  # ... and another, far from it
+    ids = np.arange(256, dtype=np.int32)
+    ids[2], ids[200] = ids[0], ids[100]  # the pairs share their smallest id; two loners one
+    mesh = make_mesh(shape)
+    rows = NamedSharding(mesh, P(("x", "y")))
+    particles = jh.Particles.create(jax.device_put(pos, rows), 10.0, id=jax.device_put(ids, rows))
+    with pytest.raises(jh.InvalidInputError, match=r"particle ids repeat \(2 repeats found\)"):
+        jh.fof(particles, linking_length=0.1, min_members=20)
+    status = jax.jit(lambda p: jh.fof(p, linking_length=0.1, min_members=20)[1].status)(particles)
+    assert int(status.repeated_ids) == 2
+
+    def local(block, block_ids):
+        parts = jh.Particles.create(block, 10.0, id=block_ids)
+        _, _, cat = jh.fof_local(parts, 0.1, axes=mesh.axis_names, min_members=20)
+        return cat.status.repeated_ids[None]
+
+    spec = P(("x", "y"))
+    inside = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    found = jax.jit(inside)(jax.device_put(pos, rows), jax.device_put(ids, rows))
+    assert (np.asarray(found) == 2).all()
+    unique = jh.Particles.create(
+        jax.device_put(pos, rows), 10.0, id=jax.device_put(np.arange(256, dtype=np.int32), rows)
+    )
+    assert bool(
+        jax.jit(lambda p: jh.fof(p, linking_length=0.1, min_members=20)[1].status.ok)(unique)
+    )
 
 
 @pytest.mark.leg1

@@ -94,7 +94,7 @@ class FailureKind(enum.Enum):
     NONFINITE = "positions, masses or ids that are NaN, inf or unusable (left out inside jit)"
     OVERFLOW = "a fixed-size buffer was too small"
     UNREPLICATED = "an analysis output declared 'replicated' differs between devices"
-    REPEATED_IDS = "particle ids repeat, and groups that share their smallest id were merged"
+    REPEATED_IDS = "particle ids repeat (groups that share their smallest id would merge)"
     TOO_FEW = "fewer particles than a kNN row needs (k + 1; k at query points)"
     NOT_RUN = "the analyses did not run: the diffrax solve took no step (t0 == t1)"
 
@@ -106,8 +106,8 @@ class Failure:
     Attributes:
       kind: a :class:`FailureKind`.
       count: excluded particles or unusable inputs (NONFINITE), rows the buffer needed per
-        device (OVERFLOW), outputs that differ between devices (UNREPLICATED), groups
-        holding more than one particle with their smallest id (REPEATED_IDS), or kNN rows
+        device (OVERFLOW), outputs that differ between devices (UNREPLICATED), repeats
+        found (REPEATED_IDS: see :class:`~jaxpm_halos.Status`), or kNN rows
         left without k neighbours (TOO_FEW), 0 (NOT_RUN).
       buffer: the buffer's name (OVERFLOW), the outputs' names (UNREPLICATED), else None.
       limit: its :class:`Limit` (OVERFLOW), else None.
@@ -177,9 +177,9 @@ class Failure:
             )
         if self.kind is FailureKind.REPEATED_IDS:
             return (
-                f"jaxpm_halos: particle ids repeat: FoF groups ({self.count}) hold more "
-                "than one particle with the group's smallest id, and groups that share "
-                "their smallest id are merged into one catalogue row. Give every particle "
+                f"jaxpm_halos: particle ids repeat ({self.count} repeats found): FoF "
+                "labels a group by its smallest id, so groups that share it are merged "
+                "into one catalogue row. Give every particle "
                 "a unique id in [0, 2**31 - 2] (Particles.create(pos, box_size) numbers "
                 "the rows; unique 64-bit ids can be relabelled with np.unique(ids, "
                 "return_inverse=True)) and rerun."

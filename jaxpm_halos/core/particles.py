@@ -51,9 +51,10 @@ class Particles:
         Given ids must be integers in ``[0, 2**31 - 2]`` with the positions' leading shape
         (-1 marks padding and ``2**31 - 1`` "no id" inside the kernels), and unique: FoF
         labels a group by its smallest id. Outside ``jit`` other ids raise ``ValueError``,
-        and so do repeated ones given as a host (numpy) array; ids already on devices are
-        not sorted to find repeats (a global sort), but FoF counts the groups they merge
-        (``status.repeated_ids``, which fails the status). Inside ``jit`` nothing can
+        and so do repeated ones given as a host (numpy) array; FoF finds repeats in ids
+        already on devices (``status.repeated_ids``, which fails the status), except on a
+        ``(nc, nc, nc)`` grid, whose ids it takes to be the lattice's, unique by
+        construction (:func:`~jaxpm_halos.from_jaxpm`'s). Inside ``jit`` nothing can
         raise: a particle whose id lies outside that range gets a NaN position, so the
         analyses leave it out and count it in ``status.nonfinite`` (the status fails)
         rather than label groups or neighbours by a wrapped or padding id. Relabel unique

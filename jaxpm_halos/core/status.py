@@ -50,14 +50,13 @@ class Status:
     overdensity whose total mass is 0 (every value NaN). A status covers every buffer its
     result depends on, the shared decomposition included. ``unreplicated`` (bool, one per
     name in the static ``replicated``) flags the outputs of in-situ user analyses declared
-    ``"replicated"`` that were not the same on every device. ``repeated_ids`` counts FoF
-    groups found with more than one particle holding the group's smallest id (a group can be
-    counted on two devices): ids repeat, and groups that share their smallest id are merged
-    in the catalogue (and share a label). Every such merge in the catalogue is counted, and
-    so is a repeat inside one group, in the catalogue or not. Repeats that change no
-    catalogue row can go unseen: an id that is no group's smallest, or two groups sharing
-    one that are each whole on a device and not both in the catalogue (they share a label
-    only). ``too_few`` counts valid kNN rows left without k neighbours while every buffer
+    ``"replicated"`` that were not the same on every device. ``repeated_ids`` counts repeats
+    FoF found: with ids the caller gave (flat input), every extra particle holding an id
+    already held, over all particles whatever their groups (a hashed exchange of the ids);
+    with a JaxPM grid, whose ids are its lattice indices, the groups found with more than
+    one particle holding the group's smallest id. Groups that share their smallest id are
+    merged in the catalogue (and share a label). ``too_few`` counts valid kNN rows left
+    without k neighbours while every buffer
     fitted: there were fewer than k + 1 particles (k at query points) once padding and
     excluded ones were left out. ``not_run`` (bool) marks a placeholder for results that were
     never computed: diffrax's save for a solve that takes no step (``_saveloop``).

@@ -32,8 +32,8 @@ from jax import lax
 from ..core import control
 from ..core.catalogue import Catalogue, catalogue_rows
 from ..core.cells import for_each_pair_chunk, half_shell_windows, sort_columns, sort_rows, union
-from ..core.config import IMAGES, MAX_HALOS, FoFConfig
-from ..core.domain import Decomposition, Extended, Ghosts
+from ..core.config import CAPACITY, IMAGES, MAX_HALOS, FoFConfig
+from ..core.domain import Decomposition, Extended, Ghosts, route, route_needs
 from ..core.errors import Limit
 from ..core.geometry import exactly_within, periodic_distance2, squared_length_limits
 from ..core.ghosts import ghost_width, widest_linking_length, z_images
@@ -232,7 +232,12 @@ def check_linking_length(l: float, pencils: Pencils) -> None:
 
 
 def fof_step(
-    plan: Plan, linking_length: float, min_members: int, config: FoFConfig, peak_density=None
+    plan: Plan,
+    linking_length: float,
+    min_members: int,
+    config: FoFConfig,
+    peak_density=None,
+    check_ids: bool = False,
 ) -> Step:
     """FoF as a pipeline :class:`~jaxpm_halos.core.pipeline.Step`: labels per particle and the
     catalogue.
@@ -241,7 +246,8 @@ def fof_step(
     in situ), FoF rebuilds ghosts of its own width from the migrated particles: the wider
     layer would only add rows to sort and scan. ``peak_density(decomposition)``, when
     given, returns ``(density, status)`` per owned row: the catalogue then finds each
-    group's density peak.
+    group's density peak. ``check_ids``: count repeated ids among all particles
+    (:func:`repeated_ids`), for ids a caller gave.
     """
     own = plan.with_width(ghost_width(linking_length, plan.pencils.box_size))
 
@@ -260,12 +266,39 @@ def fof_step(
             )
         if ghost_status is not None:
             catalogue = dataclasses.replace(catalogue, status=ghost_status.merge(catalogue.status))
+        if check_ids:
+            migrated = decomposition.migrated
+            ids = repeated_ids(plan, migrated.payload["id"], migrated.valid)
+            catalogue = dataclasses.replace(catalogue, status=catalogue.status.merge(ids))
         return {
             "labels": labels,
             "catalogue": dataclasses.replace(catalogue, num=catalogue.num[None]),
         }
 
     return Step(run, {"labels": "particle", "catalogue": "device"})
+
+
+def repeated_ids(plan: Plan, ids, valid) -> Status:
+    """A status whose ``repeated_ids`` counts the ids held by more than one particle, over
+    all devices, whatever groups they are in.
+
+    Each id goes to the device its hash names (two all-to-all stages, in buffers of the
+    domain's capacity: hashed ids spread evenly whatever their values), where a sort finds
+    repeats. Only ids a caller gave need it: lattice and row ids are unique by construction.
+    """
+    pencils = plan.pencils
+    hashed = ids.astype(jnp.uint32) * jnp.uint32(2654435761)  # Knuth's multiplicative hash
+    device = ((hashed >> 16) % jnp.uint32(pencils.num_devices)).astype(int32)
+    home = lambda device: (device // pencils.py, device % pencils.py)
+    rows = plan.capacity_rows
+    need_pair, need_rows = route_needs(pencils, *home(device), valid)
+    routed, count = route(
+        pencils, {"id": ids, "device": device}, valid, lambda p: home(p["device"]), rows, rows, rows
+    )
+    mine = jnp.sort(jnp.where(jnp.arange(rows) < count, routed["id"], _BIG))  # (rows,)
+    repeats = jnp.sum((mine[1:] == mine[:-1]) & (mine[1:] < _BIG), dtype=int32)
+    status = plan.status({"id check": jnp.maximum(need_pair, need_rows)}, {"id check": CAPACITY})
+    return dataclasses.replace(status, repeated_ids=psum_all(pencils, repeats))
 
 
 def fof_on_decomposition(

@@ -149,15 +149,16 @@ def halo_step(
     density=None,
     total: int = 0,
     equal_masses: bool = False,
+    check_ids: bool = False,
 ) -> Step:
     """FoF with the catalogue's extras as one pipeline step. ``density(decomposition) ->
     (density, status)`` supplies the peak's densities (default: :func:`peak_density` with
-    ``config.knn`` and ``total`` particles); ``densities`` (D,) the SO thresholds."""
+    ``config.knn`` and ``total`` particles); ``densities`` (D,) the SO thresholds;
+    ``check_ids``: count repeated ids (ids the caller gave)."""
     if extras.centre == "peak" and density is None:
         density = peak_density(plan, extras.k, total, config.knn, equal_masses)
-    fof = fof_step(
-        plan, linking_length, min_members, config, density if extras.centre == "peak" else None
-    )
+    peak = density if extras.centre == "peak" else None
+    fof = fof_step(plan, linking_length, min_members, config, peak, check_ids)
 
     def run(decomposition: Decomposition):
         out = fof.run(decomposition)
@@ -269,6 +270,8 @@ def _fof_program(
                 densities,
                 total=problem.total,
                 equal_masses=problem.mass_kind != "rows",
+                # A JaxPM grid's ids are its lattice indices: unique by construction.
+                check_ids=problem.has_ids and not problem.layout.grid,
             )
         }
         fields, shape = local_fields(problem, *blocks)
@@ -443,7 +446,8 @@ def fof_local(
     check_linking_length(l, pencils)
     plan = Plan(pencils, config.domain, n0, ghost_width(l, particles.box_size))
     decomposition, domain = plan.decompose(particle_fields(particles), particles.valid())
-    outputs, _ = analyse(decomposition, domain, {"fof": fof_step(plan, l, min_members, config)})
+    step = fof_step(plan, l, min_members, config, check_ids=True)
+    outputs, _ = analyse(decomposition, domain, {"fof": step})
     catalogue = outputs["fof"]["catalogue"]
     migrated = decomposition.migrated
     return (
