@@ -50,18 +50,16 @@ def assert_links_equal(links, expected):
 
 @pytest.mark.parametrize("shape", mesh_params([(1, 8), (8, 1), (2, 4), (4, 2), (1, 1)]) + [None])
 def test_links_match_reference(history, shape):
+    """Eager and under a plain jax.jit, on every mesh and on one device."""
     snapshots = snapshots_on(history, shape)
+    jitted = jax.jit(jaxpm_halos.merger_links)
     for i in range(len(snapshots) - 1):
         expected = reference(snapshots, i)
         assert len(expected[0]["id"]) > 10 and (expected[1]["n_progenitors"] > 1).any()
         assert_links_equal(jaxpm_halos.merger_links(*snapshots[i], *snapshots[i + 1]), expected)
-
-
-def test_links_under_jit(history):
-    snapshots = snapshots_on(history, (2, 4))
-    links = jax.jit(jaxpm_halos.merger_links)(*snapshots[0], *snapshots[1])
-    assert links.id.sharding.is_fully_replicated
-    assert_links_equal(links, reference(snapshots, 0))
+        links = jitted(*snapshots[i], *snapshots[i + 1])
+        assert links.id.sharding.is_fully_replicated
+        assert_links_equal(links, expected)
 
 
 def test_pair_buffer_overflow(history):

@@ -147,9 +147,9 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lightcone-z",
         type=float,
-        default=0.25,
+        default=0.1,
         help="redshift to which the run directory's halo light cone reaches, for an observer "
-        "at the box centre (default 0.25; 0: none)",
+        "at the box centre (default 0.1; 0: none)",
     )
 
 
