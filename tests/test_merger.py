@@ -98,6 +98,9 @@ def test_tree_of_an_in_situ_run():
     catalogues = [jaxpm_halos.gather_catalogue(catalogue, snapshot=i) for i in range(3)]
     links = jaxpm_halos.snapshot_links(labels, catalogue)
     jitted = jax.jit(jaxpm_halos.snapshot_links)(labels, catalogue)
+    small = jaxpm_halos.MergerConfig(max_pairs=2)  # grown once, for every pair alike
+    with pytest.warns(jaxpm_halos.GrowthWarning, match="MergerConfig"):
+        grown = jaxpm_halos.snapshot_links(labels, catalogue, config=small)
     for i in range(len(times) - 1):
         expected = merger_links_reference(
             np.asarray(labels[i]),
@@ -105,7 +108,7 @@ def test_tree_of_an_in_situ_run():
             np.asarray(labels[i + 1]),
             catalogues[i + 1]["id"],
         )
-        for stacked in (links, jitted):
+        for stacked in (links, jitted, grown):
             assert_links_equal(jax.tree.map(lambda x, i=i: x[i], stacked), expected)
     branches = jaxpm_halos.main_branches(links)
     mass = jaxpm_halos.along_branches(branches, catalogues, "mass")

@@ -145,6 +145,12 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
         help="output folder for the run directory (out/run) and plots (default halos_out)",
     )
     parser.add_argument(
+        "--compilation-cache",
+        default=os.path.join("~", ".cache", "jaxpm_halos", "xla"),
+        help="folder of JAX's persistent compilation cache, which makes a rerun's first "
+        "calls skip XLA's compilation ('none': off; default %(default)s)",
+    )
+    parser.add_argument(
         "--lightcone-z",
         type=float,
         default=0.1,
@@ -312,6 +318,9 @@ def main(argv=None) -> int:
     use_host_devices()
     import jax
     import jax.numpy as jnp
+
+    if args.compilation_cache != "none":
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache))
 
     from .. import units
     from ..core.errors import CapacityError

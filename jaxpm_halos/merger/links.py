@@ -136,6 +136,14 @@ def merger_links(
         >>> backward["main_progenitor"].tolist(), backward["n_progenitors"].tolist()
         ([0], [2])
     """
+    args = (labels_a, catalogue_a, labels_b, catalogue_b)
+    return links_and_config(*args, mesh=mesh, config=config, grow=grow)[0]
+
+
+def links_and_config(
+    labels_a, catalogue_a, labels_b, catalogue_b, *, mesh, config: MergerConfig, grow: bool
+):
+    """:func:`merger_links` and the config it ran with (grown outside ``jit`` if needed)."""
     labels_a, labels_b = jnp.asarray(labels_a), jnp.asarray(labels_b)
     if labels_a.shape != labels_b.shape or labels_a.ndim not in (1, 3):
         raise ValueError(
@@ -155,11 +163,10 @@ def merger_links(
         return _links_program(layout, cfg.pair_rows(halo_rows))(*args)
 
     if is_traced(args):
-        return run(config)
+        return run(config), config
     check_catalogue_status(catalogue_a.status)
     check_catalogue_status(catalogue_b.status)
-    links, _ = run_growing(run, config, lambda out: out.status.failure(), grow=grow)
-    return links
+    return run_growing(run, config, lambda out: out.status.failure(), grow=grow, stacklevel=4)
 
 
 def _padded(layout: Layout, labels):

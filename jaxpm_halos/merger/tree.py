@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.config import MergerConfig
-from .links import MergerLinks, merger_links
+from .links import MergerLinks, links_and_config
 
 
 def snapshot_links(
@@ -38,12 +38,15 @@ def snapshot_links(
             f"snapshots; got labels {np.shape(labels)} and catalogue ids {np.shape(catalogue.id)}"
         )
     one = lambda i: jax.tree.map(lambda x: x[i], catalogue)
-    links = [
-        merger_links(
-            labels[i], one(i), labels[i + 1], one(i + 1), mesh=mesh, config=config, grow=grow
-        )
-        for i in range(count - 1)
-    ]
+    pair = lambda i, cfg: links_and_config(
+        labels[i], one(i), labels[i + 1], one(i + 1), mesh=mesh, config=cfg, grow=grow
+    )
+    links = []
+    for i in range(count - 1):
+        link, grown = pair(i, config)
+        if grown != config:  # one buffer size for all pairs, so that they stack
+            config, links = grown, [pair(j, grown)[0] for j in range(i)]
+        links.append(link)
     return jax.tree.map(lambda *x: jnp.stack(x), *links)
 
 
