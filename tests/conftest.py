@@ -79,3 +79,19 @@ def jaxpm_snapshot_32():
             "is not installed to make it (the pinned JaxPM stack: pip install -e .)"
         )
     return jaxpm_snapshot(32, 32.0, 10)
+
+
+@pytest.fixture(scope="session")
+def jaxpm_history_32():
+    """One 32^3 JaxPM run (32 Mpc/h, 10 steps, (2, 4)) at a = 0.5, 0.75 and 1: the
+    displacements ``(3, 32, 32, 32, 3)``, cached on disk like :func:`jaxpm_snapshot_32`
+    (skipped without the JaxPM stack when not cached)."""
+    from jaxpm_halos.testing.snapshots import history_path, jaxpm_history
+
+    absent = missing(*JAXPM_STACK)
+    if absent and not history_path(32, 32.0, 10).exists():
+        pytest.skip(
+            f"the 32^3 JaxPM run is not cached and {', '.join(absent)} is not installed "
+            "to make it (the pinned JaxPM stack: pip install -e .)"
+        )
+    return jaxpm_history(32, 32.0, 10)["disp"]

@@ -14,16 +14,14 @@ NC, BOX, STEPS, OMEGA_M = 32, 32.0, 10, 0.2986
 
 
 @pytest.fixture(scope="module")
-def catalogues():
+def catalogues(jaxpm_history_32):
     """FoF catalogues (positions in Mpc/h, velocities in km/s) of three real snapshots."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxpm_halos.testing.snapshots import jaxpm_history
-
     out = []
-    for disp in jaxpm_history(NC, BOX, STEPS)["disp"]:
+    for disp in jaxpm_history_32:
         disp = jax.device_put(disp, NamedSharding(make_mesh((2, 4)), P("x", "y")))
         particles = jaxpm_halos.from_jaxpm(disp, box_size=BOX)
         rng = np.random.default_rng(len(out))  # velocities of halo size, any direction

@@ -17,10 +17,8 @@ NC, BOX, STEPS = 32, 32.0, 10
 
 
 @pytest.fixture(scope="module")
-def history():
-    from jaxpm_halos.testing.snapshots import jaxpm_history
-
-    return jaxpm_history(NC, BOX, STEPS)["disp"]  # (3, nc, nc, nc, 3)
+def history(jaxpm_history_32):
+    return jaxpm_history_32  # (3, nc, nc, nc, 3) displacements at a = 0.5, 0.75, 1
 
 
 def snapshots_on(history, shape):

@@ -127,14 +127,19 @@ def jaxpm_snapshot(
     )
 
 
+def history_path(nc: int, box: float, steps: int, times=(0.5, 0.75, 1.0), seed: int = 0) -> Path:
+    """Where :func:`jaxpm_history` caches its run."""
+    key = "_".join(f"{a:g}" for a in times)
+    return cache_path(nc, float(box), steps, seed, (2, 4)).with_suffix(f".a{key}.npz")
+
+
 def jaxpm_history(
     nc: int, box: float, steps: int, times=(0.5, 0.75, 1.0), seed: int = 0
 ) -> dict[str, np.ndarray]:
     """One JaxPM run on a ``(2, 4)`` mesh at the scale factors ``times`` (the merger and
     run-product snapshots), from the disk cache when available: ``{"disp", "mom"}``, each
     ``(len(times), nc, nc, nc, 3)`` as JaxPM's ``y[0]`` and ``y[1]``, and ``"omega_m"``."""
-    key = "_".join(f"{a:g}" for a in times)
-    path = cache_path(nc, float(box), steps, seed, (2, 4)).with_suffix(f".a{key}.npz")
+    path = history_path(nc, box, steps, times, seed)
     if not path.exists():
         from jaxpm_halos.simulation import run_simulation
 
