@@ -183,10 +183,23 @@ def bench_size(nc, kind, rows):
         print(rows[-1], flush=True)
 
 
-def pm_and_insitu(nc, rows):
-    """One PM force evaluation vs in-situ FoF + kNN density (k=16), at nc^3 on (2, 4)."""
+def pm_step_seconds(nc, mesh, y):
+    """Warm time of one JaxPM force evaluation (JaxPM's displacement mode) on the stacked
+    state ``y`` of nc^3 particles sharded over ``mesh``."""
     import jax_cosmo as jc
     from jaxpm.pm import make_diffrax_ode
+
+    sharding = NamedSharding(mesh, P("x", "y"))
+    ode = make_diffrax_ode(
+        (nc,) * 3, paint_absolute_pos=False, halo_size=min(nc // 4, 24), sharding=sharding
+    )
+    cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
+    step = jax.jit(lambda y: ode(1.0, y, cosmo))
+    return timed(lambda: step(y))[1]
+
+
+def pm_and_insitu(nc, rows):
+    """One PM force evaluation vs in-situ FoF + kNN density (k=16), at nc^3 on (2, 4)."""
 
     from jaxpm_halos.testing.snapshots import jaxpm_snapshot
 
@@ -194,12 +207,7 @@ def pm_and_insitu(nc, rows):
     snap = jaxpm_snapshot(nc, float(nc), 20)
     sharding = NamedSharding(mesh, P("x", "y"))
     y = jnp.stack([jax.device_put(snap.disp, sharding), jax.device_put(snap.mom, sharding)])
-    ode = make_diffrax_ode(
-        (nc,) * 3, paint_absolute_pos=False, halo_size=min(nc // 4, 24), sharding=sharding
-    )
-    cosmo = jc.Planck15(Omega_c=0.25, sigma8=0.8)
-    step = jax.jit(lambda y: ode(1.0, y, cosmo))
-    _, t_pm, _ = timed(lambda: step(y))
+    t_pm = pm_step_seconds(nc, mesh, y)
     insitu = jh.InSitu(box_size=float(nc), analyses=("fof", "knn_density"), k=16)
     first, warm, _ = timed(lambda: insitu(y, 1.0))
     rows.append(
@@ -247,8 +255,6 @@ def run_products(nc, rows):
     to z = 0.1 (host), against one PM step. Three snapshots of one JaxPM run (a = 0.5,
     0.75, 1), their catalogues from InSitu; links and members checked against the serial
     reference and the catalogue counts."""
-    import jax_cosmo as jc
-    from jaxpm.pm import make_diffrax_ode
 
     from jaxpm_halos.testing.reference import merger_links_reference
     from jaxpm_halos.testing.snapshots import jaxpm_history
@@ -280,15 +286,7 @@ def run_products(nc, rows):
         catalogues, times, observer=(nc / 2,) * 3, z_max=0.1, cosmology=cosmology, box_size=nc
     )
     t_cone = min_time(cone)[0] / len(times)
-    step = jax.jit(
-        lambda y: make_diffrax_ode(
-            (nc,) * 3,
-            paint_absolute_pos=False,
-            halo_size=min(nc // 4, 24),
-            sharding=NamedSharding(mesh, P("x", "y")),
-        )(1.0, y, jc.Planck15(Omega_c=0.25, sigma8=0.8))
-    )
-    _, t_pm, _ = timed(lambda: step(states[-1]))
+    t_pm = pm_step_seconds(nc, mesh, states[-1])
     rows.append(
         dict(
             size=nc,
