@@ -203,12 +203,17 @@ class SOConfig:
       pair_factor: rows of the buffer of candidate (centre, particle) pairs handled at once,
         in units of ``n0``. Centres are handled in batches that fit; the candidates of one
         centre must fit. ``None`` picks 1, plus 128 rows.
+      smooth_factor: with ``smoothing``, rows of the buffer of the particles whose weight
+        lies strictly between 0 and 1 (the windows that the derivative needs), summed over
+        a device's centres and thresholds, in units of ``n0``. ``None`` picks 1/4, plus 128
+        rows.
       domain: the domain exchange buffers.
     """
 
     radius: float | None = None
     levels: int = 4
     pair_factor: float | None = None
+    smooth_factor: float | None = None
     domain: DomainConfig = dataclasses.field(default_factory=DomainConfig)
 
     def __post_init__(self):
@@ -218,6 +223,10 @@ class SOConfig:
         return _default_rows(
             1.0 if self.pair_factor is None else self.pair_factor, n0, self.pair_factor
         )
+
+    def smooth_rows(self, n0: int) -> int:
+        given = self.smooth_factor
+        return _default_rows(0.25 if given is None else given, n0, given)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +310,7 @@ REMOTE = Knob(KNNConfig, "remote_factor")
 KNN_INDEX = Knob(KNNConfig, "index_factor")
 SO_RADIUS = Knob(SOConfig, "radius")
 SO_PAIRS = Knob(SOConfig, "pair_factor")
+SO_SMOOTH = Knob(SOConfig, "smooth_factor")
 
 # The decomposition's knobs: its buffers hold particle rows (or copies of them), and an
 # earlier buffer's overflow only drops rows, so their needs are then lower bounds, never

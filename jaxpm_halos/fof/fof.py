@@ -46,7 +46,7 @@ from ..knn._search import ghost_width as knn_width
 from ..knn._steps import knn_density_on_plan
 from ..knn.knn import check_k
 from ..so._search import search_width, so_on_decomposition
-from ..so.so import check_definition_units, check_densities, resolve_radius
+from ..so.so import check_definition_units, check_densities, check_smoothing, resolve_radius
 from ._kernel import check_linking_length, fof_step
 
 CENTRES = ("com", "peak")
@@ -61,12 +61,14 @@ class Extras:
       centre: ``"com"`` or ``"peak"`` (the SO centre; ``"peak"`` also fills ``peak``).
       k: neighbours of the kNN density that locates the peak.
       so_radius: the largest SO radius searched (resolved from the config).
+      so_smoothing: the smooth SO definition's relative width, or None for the hard one.
     """
 
     so: tuple[str, ...] = ()
     centre: str = "com"
     k: int = 16
     so_radius: float = 0.0
+    so_smoothing: float | None = None
 
     def width(self, linking_length: float, total: int, pencils, knn: KNNConfig) -> float:
         """The ghost layer every part needs."""
@@ -129,6 +131,7 @@ def with_so(
         config.so,
         extras.so_radius,
         centre_limit=limit,
+        smoothing=extras.so_smoothing,
     )
     own = lambda a: jax.lax.dynamic_slice_in_dim(a, mine * rows, rows)
     so = {}
@@ -298,6 +301,7 @@ def fof(
     so=None,
     omega_m=None,
     a=1.0,
+    so_smoothing: float | None = None,
     centre: str = "com",
     k: int = 16,
     mesh=None,
@@ -333,6 +337,11 @@ def fof(
         The catalogue's ``so`` then holds ``m<name>`` and ``r<name>``. The largest radius
         searched is ``config.so.radius``.
       omega_m, a: the cosmology and scale factor of the ``so`` definitions.
+      so_smoothing: the smooth SO definition's relative width
+        (:func:`~jaxpm_halos.spherical_overdensity`'s ``smoothing``): SO masses and radii
+        differentiable with respect to the positions (through the centres, membership
+        held fixed, and the particles about them) and a scalar mass. None: the hard
+        definition.
       centre: ``"com"`` (the centre of mass) or ``"peak"`` (the member with the highest
         kNN density of ``k`` neighbours, ties to the smallest id; stored as ``peak``):
         the centre the SO quantities are measured about.
@@ -380,6 +389,9 @@ def fof(
     l = _linking_length(problem, linking_length, b)
     min_members = _check_integer("min_members", min_members, 1)
     names, densities = so_request(so, omega_m, a)
+    so_smoothing = check_smoothing(so_smoothing, problem)
+    if so_smoothing is not None and not names:
+        raise ValueError("so_smoothing= smooths the SO masses of so=...: pass so= as well")
     centre = check_centre(centre)
     if centre == "peak":
         k = check_k(k, problem.total, True, least=2)
@@ -397,6 +409,7 @@ def fof(
             centre,
             int(k),
             resolve_radius(cfg.so, problem.mean_separation, problem.pencils) if names else 0.0,
+            so_smoothing,
         )
         return _fof_program(problem, in_specs, l, min_members, cfg, extras)(*args)
 

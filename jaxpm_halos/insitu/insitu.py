@@ -33,6 +33,7 @@ from ..core.status import is_traced
 from ..fof._kernel import linking_length_misfit
 from ..fof.fof import check_centre, so_request
 from ..knn.knn import check_k
+from ..so.so import check_smoothing
 from .errors import first_failure, insitu_error, spelling
 from .jaxpm import check_state_positions, resolve_pm_nc
 from .registry import Analysis, Snapshot, _generation, analysis
@@ -58,6 +59,9 @@ class InSitu:
         snapshot's ``a``; needs ``omega_m``): the catalogue's ``so`` holds ``m200c``
         (Msun/h) and ``r200c`` (comoving Mpc/h), and so on, about the halo's centre. The
         largest radius searched is ``fof.so.radius``.
+      so_smoothing: the smooth SO definition's relative width (``smoothing`` of
+        :func:`~jaxpm_halos.spherical_overdensity`): the catalogue's SO masses and radii
+        then have derivatives with respect to the state (FoF membership held fixed).
       centre: ``"com"`` (centre of mass) or ``"peak"`` (the member with the highest kNN
         density of ``k`` neighbours, from the same search as ``knn_density``): the SO
         centre, stored as the catalogue's ``peak``.
@@ -110,6 +114,7 @@ class InSitu:
     omega_m: float | None = None
     overdensity: bool = False
     so: tuple[str, ...] = ()
+    so_smoothing: float | None = None
     centre: str = "com"
     save_state: bool = False
     mesh: Any = None
@@ -163,6 +168,9 @@ class InSitu:
                     "and the particle mass depend on it)"
                 )
             so_request(self.so, self.omega_m)  # names checked now, not in the solve
+        object.__setattr__(self, "so_smoothing", check_smoothing(self.so_smoothing))
+        if self.so_smoothing is not None and not self.so:
+            raise ValueError("InSitu(so_smoothing=...) smooths the SO masses of so=: pass so=")
         if (self.so or self.centre != "com") and "fof" not in self.analyses:
             raise ValueError(
                 "InSitu(so=..., centre=...) add to the FoF catalogue: include 'fof' in analyses"

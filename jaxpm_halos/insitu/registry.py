@@ -188,7 +188,7 @@ def _extras(insitu: InSitu, pencils: Pencils) -> Extras:
     radius = (
         resolve_radius(insitu.fof.so, insitu.box_size / insitu.nc, pencils) if insitu.so else 0.0
     )
-    return Extras(insitu.so, insitu.centre, insitu.k, radius)
+    return Extras(insitu.so, insitu.centre, insitu.k, radius, insitu.so_smoothing)
 
 
 def _fof_width(insitu: InSitu, pencils: Pencils) -> float:

@@ -43,15 +43,16 @@ from ..core.cells import (
     sort_columns,
     z_order,
 )
-from ..core.config import IMAGES, SO_PAIRS, SO_RADIUS, SOConfig
+from ..core.config import IMAGES, SO_PAIRS, SO_RADIUS, SO_SMOOTH, SOConfig
 from ..core.domain import Decomposition
 from ..core.errors import Limit
 from ..core.geometry import periodic_distance2, wrap
 from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.layout import Pencils
 from ..core.pipeline import Plan, Step
-from ..core.rows import common_mass, pmax_all, psum_all, selection
+from ..core.rows import common_mass, pmax_all, psum_all, selection, valued_with_derivative_of
 from ..core.status import Status
+from ._soft import Record, segment_scan, soft_batch, soft_mass_derivative
 
 int32 = jnp.int32
 
@@ -98,6 +99,7 @@ class _Frame(NamedTuple):
 
     local: jax.Array  # (R, 3) positions in the device's unwrapped frame
     canon: jax.Array  # (R, 3) canonical positions in [0, L): every distance uses these
+    moved: jax.Array  # (R, 3) the same, with their derivative (``canon`` has none)
     mass: jax.Array  # (R,)
     valid: jax.Array  # (R,)
     origin: jax.Array  # (3,) lower corner of the frame
@@ -116,6 +118,7 @@ def _frame(plan: Plan, decomposition: Decomposition, mass):
     wx, wy = pencils.widths
     frame = _Frame(
         local,
+        jax.lax.stop_gradient(pick(ext.pos)),
         pick(ext.pos),
         pick(ext_mass),
         valid,
@@ -153,15 +156,6 @@ def _windows(frame: _Frame, centres, reach: float):
     )
 
 
-def _segment_cumsum(values, starts):
-    """Inclusive running sums that restart wherever ``starts`` holds."""
-
-    def combine(a, b):
-        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
-
-    return lax.associative_scan(combine, (starts, values))[1]
-
-
 class _Batch(NamedTuple):
     """Downcrossings of one batch of centres at one search radius."""
 
@@ -172,38 +166,50 @@ class _Batch(NamedTuple):
 class _Level(NamedTuple):
     """One search radius: its constants and every centre's candidate windows."""
 
-    radius2: jax.Array  # () the radius squared, in the frame's dtype
+    radius: jax.Array  # () the radius, in the frame's dtype
+    radius2: jax.Array  # () its square
     volume: jax.Array  # () 4/3 pi radius^3
     order: jax.Array  # (R,) frame rows in column order
     starts: jax.Array  # (C, 25) first sorted position of each window
     ends: jax.Array  # (C, 25) one past its last
 
 
-def _by_centre_and_distance(centre, d2, mass):
+def _by_centre_and_distance(centre, d2, *payload):
     """Pairs sorted by centre, then distance: for float32 distances one sort of an int64
     key (the centre above the bits of ``d2``, which order like non-negative floats) with the
-    mass as payload, faster than a sort on two keys; float64 distances (``jax_enable_x64``)
+    ``payload`` arrays, faster than a sort on two keys; float64 distances (``jax_enable_x64``)
     leave no room for the centre in 64 bits and take the sort on two keys."""
     if d2.dtype.itemsize > 4:
-        return lax.sort((centre, d2, mass), num_keys=2)
+        return lax.sort((centre, d2, *payload), num_keys=2)
     with _x64():
         bits = lax.bitcast_convert_type(d2, int32).astype(jnp.int64)
-        packed, mass = lax.sort(
-            (jnp.left_shift(centre.astype(jnp.int64), 32) | bits, mass), num_keys=1
+        packed, *payload = lax.sort(
+            (jnp.left_shift(centre.astype(jnp.int64), 32) | bits, *payload), num_keys=1
         )
         low = (packed & 0xFFFFFFFF).astype(int32)  # non-negative float bits: below 2**31
         return (
             jnp.right_shift(packed, 32).astype(int32),
             lax.bitcast_convert_type(low, d2.dtype),
-            mass,
+            *payload,
         )
 
 
 def _batch(
-    frame: _Frame, level: _Level, batch, centres, density, common, box: float, pairs: int
-) -> _Batch:
+    frame: _Frame,
+    level: _Level,
+    batch,
+    centres,
+    density,
+    common,
+    box: float,
+    pairs: int,
+    smoothing: float | None = None,
+    record: Record | None = None,
+):
     """Profiles of the ``batch`` centres from their candidates at ``level`` (at most
-    ``pairs``); ``common`` is :func:`~jaxpm_halos.core.domain.common_mass` of the particles."""
+    ``pairs``); ``common`` is :func:`~jaxpm_halos.core.domain.common_mass` of the particles.
+    Returns ``(_Batch, record)``: with ``smoothing``, the smooth masses (:mod:`._soft`) and
+    ``record`` with the windows of the centres resolved."""
     order, starts, ends = level.order, level.starts, level.ends
     h = centres.shape[0]
     lengths = jnp.where(batch[:, None], ends - starts, 0).reshape(-1)  # (H * 25,)
@@ -217,16 +223,26 @@ def _batch(
     ]
     d2 = periodic_distance2(frame.canon[row], centres[centre], box)  # (P,)
     inside = live & frame.valid[row] & (d2 <= level.radius2)
-    key, d2, m = _by_centre_and_distance(jnp.where(inside, centre, h), d2, frame.mass[row])
+    # The rows only where a window is recorded.
+    key, d2, m, *row = _by_centre_and_distance(
+        jnp.where(inside, centre, h), d2, frame.mass[row], *([row] if smoothing else [])
+    )
     inside = key < h
     m = jnp.where(inside, m, 0)
     first = inside & jnp.concatenate([jnp.ones(1, bool), key[1:] != key[:-1]])
+    if smoothing is not None:  # equal masses (the API refuses others)
+        count = segment_scan(jnp.add, inside.astype(int32), first)  # (P,)
+        soft = soft_batch(
+            record, batch, key, row[0], inside, first, count, jnp.sqrt(d2), density,
+            jnp.maximum(common[1], 0).astype(m.dtype), level.radius, smoothing,
+        )  # fmt: skip
+        return _Batch(soft.mass, soft.found), soft.record
     # Equal masses are counted and the count scaled once: the same bits on every mesh (a
     # running float sum rounds differently where the pairs sit elsewhere in the buffer).
     equal, heaviest = common
     heaviest = jnp.maximum(heaviest, 0).astype(m.dtype)
     weight, scale = jnp.where(equal, inside.astype(m.dtype), m), jnp.where(equal, heaviest, 1)
-    within = _segment_cumsum(weight, first) * scale  # (P,) mass of the i nearest
+    within = segment_scan(jnp.add, weight, first) * scale  # (P,) mass of the i nearest
     before = jnp.where(first, 0, jnp.concatenate([jnp.zeros(1, m.dtype), within[:-1]]))
     r = jnp.sqrt(d2)
     volume = _FOUR_THIRDS_PI * r * r * r
@@ -240,7 +256,7 @@ def _batch(
     # added to the mass within the radius stays under the threshold mass there.
     edge = density * level.volume
     found = found | (total[:, None] + heaviest < edge[None, :])
-    return _Batch(mass, found)
+    return _Batch(mass, found), record
 
 
 def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _Level:
@@ -257,18 +273,36 @@ def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _
         # Python float64 constants rounded once to the frame's dtype, as a literal would be.
         volume = _FOUR_THIRDS_PI * r**3
         stacked.append(
-            _Level(jnp.asarray(r * r, dtype), jnp.asarray(volume, dtype), cols.order, starts, ends)
+            _Level(
+                jnp.asarray(r, dtype),
+                jnp.asarray(r * r, dtype),
+                jnp.asarray(volume, dtype),
+                cols.order,
+                starts,
+                ends,
+            )
         )
     return jax.tree.map(lambda *a: jnp.stack(a), *stacked)  # (L, ...)
 
 
 def _search(
-    frame: _Frame, level: _Level, centres, pending, density, common, box: float, pairs: int, mass
+    frame: _Frame,
+    level: _Level,
+    centres,
+    pending,
+    density,
+    common,
+    box: float,
+    pairs: int,
+    mass,
+    smoothing: float | None,
+    record: Record | None,
 ):
     """One search radius for the ``pending`` centres, in batches that fit ``pairs``.
 
-    Returns ``(mass, done, need_pairs)``: masses updated where resolved, the centres
-    resolved at this level, and the most candidates one centre needed.
+    Returns ``(mass, done, need_pairs, record)``: masses updated where resolved, the
+    centres resolved at this level, the most candidates one centre needed, and (with
+    ``smoothing``) ``record`` with their windows.
     """
     counts = jnp.sum(level.ends - level.starts, axis=1, dtype=int32)  # (C,)
     need = jnp.max(jnp.where(pending, counts, 0))
@@ -279,23 +313,24 @@ def _search(
     small = max(pairs // 16, 1)
 
     def body(state):
-        todo, mass, done = state
+        todo, mass, done, record = state
         cum = saturating_cumsum(jnp.where(todo, counts, 0), pairs)  # never wraps int32
         batch = todo & (cum <= pairs)
+        args = (frame, level, batch, centres, density, common, box)
         # Most batches are a few small haloes: a buffer 16 times smaller sorts them faster.
-        result = control.cond(
+        result, record = control.cond(
             jnp.max(jnp.where(batch, cum, 0)) <= small,
-            lambda: _batch(frame, level, batch, centres, density, common, box, small),
-            lambda: _batch(frame, level, batch, centres, density, common, box, pairs),
+            lambda: _batch(*args, small, smoothing, record),
+            lambda: _batch(*args, pairs, smoothing, record),
         )
         resolved = batch & jnp.all(result.found, axis=1)
         mass = jnp.where(resolved[:, None], result.mass, mass)
-        return todo & ~batch, mass, done | resolved
+        return todo & ~batch, mass, done | resolved, record
 
-    _, mass, done = control.while_loop(
-        lambda s: jnp.any(s[0]), body, (todo, mass, jnp.zeros_like(pending))
+    _, mass, done, record = control.while_loop(
+        lambda s: jnp.any(s[0]), body, (todo, mass, jnp.zeros_like(pending), record)
     )
-    return mass, done, need
+    return mass, done, need, record
 
 
 def so_on_decomposition(
@@ -308,6 +343,7 @@ def so_on_decomposition(
     radius: float,
     mass=None,
     centre_limit: Limit | None = None,
+    smoothing: float | None = None,
 ):
     """SO masses and radii about ``centres`` (H, 3), replicated on every device.
 
@@ -318,14 +354,20 @@ def so_on_decomposition(
     0 for invalid centres, NaN for valid but non-finite ones (e.g. the centre of mass of
     massless members) and where the profile had not fallen below the threshold within
     ``radius``.
+
+    With ``smoothing`` (a length), the smooth definition of :mod:`._soft` for equal masses,
+    differentiable with respect to the particles' positions, ``centres`` and the common
+    mass; otherwise the hard one, whose derivative is zero.
     """
     pencils, box = plan.pencils, plan.pencils.box_size
     migrated = decomposition.migrated
     if mass is None:
         mass = migrated.payload["mass"]
-    # Membership is a discrete choice, and SO masses and radii are documented as having
-    # zero gradients. Stopping them at the inputs also keeps reverse mode out of the level
-    # loops (dynamic trip counts), which it cannot differentiate.
+    moved_centres = wrap(centres, box)
+    # The search runs on stopped values: membership is a discrete choice, and reverse mode
+    # cannot differentiate the level loops (dynamic trip counts). The smooth masses take
+    # their derivative afterwards, from the rows recorded (soft_mass_derivative).
+    common_diff = _common_mass_with_derivative(pencils, mass, migrated.valid)
     mass, density = jax.lax.stop_gradient((mass, density))
     frame, need_images = _frame(plan, decomposition, mass)
     common = common_mass(pencils, mass, migrated.valid)
@@ -343,18 +385,31 @@ def so_on_decomposition(
     pairs = config.pair_rows(plan.n0)
     result = jnp.zeros((rows, density.shape[0]), frame.canon.dtype)  # (C, D)
     levels = _levels(frame, local, radius, config.levels, box)  # (L, ...)
+    window_rows = config.smooth_rows(plan.n0)
+    record = None
+    if smoothing is not None:
+        record = Record.empty(window_rows, rows, density.shape[0])
 
     def search(index, state):
-        result, pending, need_pairs = state
+        result, pending, need_pairs, record = state
         level = jax.tree.map(lambda a: a[index], levels)
-        result, done, need = _search(
-            frame, level, local, pending, density, common, box, pairs, result
+        result, done, need, record = _search(
+            frame, level, local, pending, density, common, box, pairs, result, smoothing, record
         )
-        return result, pending & ~done, jnp.maximum(need_pairs, need)
+        return result, pending & ~done, jnp.maximum(need_pairs, need), record
 
-    result, pending, need_pairs = control.fori_loop(
-        0, config.levels, search, (result, jnp.arange(rows) < need_centres, jnp.int32(0))
+    result, pending, need_pairs, record = control.fori_loop(
+        0,
+        config.levels,
+        search,
+        (result, jnp.arange(rows) < need_centres, jnp.int32(0), record),
     )
+    if smoothing is not None:
+        centre_rows = jnp.take(moved_centres, picked, axis=0, mode="fill", fill_value=0)
+        derivative = soft_mass_derivative(
+            record, frame.moved, centre_rows, common_diff, density, smoothing, box
+        )
+        result = valued_with_derivative_of(result, derivative)
     result = jnp.where(pending[:, None], jnp.nan, result)
     scattered = (
         jnp.zeros((centres.shape[0], density.shape[0]), result.dtype)
@@ -367,6 +422,14 @@ def so_on_decomposition(
     so_radius = jnp.cbrt(3 * so_mass / (4 * math.pi * density[None, :]))
     unresolved = psum_all(pencils, jnp.sum(pending, dtype=int32))
     status = _status(plan, config, radius, need_images, need_pairs, unresolved)
+    if smoothing is not None:
+        status = status.merge(
+            Status(
+                pmax_all(pencils, {"so smooth": record.fill}),
+                jnp.int32(0),
+                (("so smooth", Limit(SO_SMOOTH, window_rows, plan.n0)),),
+            )
+        )
     if centre_limit is not None:
         status = Status(
             pmax_all(pencils, {"so centres": need_centres}),
@@ -390,12 +453,36 @@ def _status(plan: Plan, config: SOConfig, radius: float, need_images, need_pairs
     return images.merge(own)
 
 
-def so_step(plan: Plan, centres, centre_valid, density, config: SOConfig, radius: float) -> Step:
+def _common_mass_with_derivative(pencils: Pencils, mass, valid):
+    """The mean particle mass (the common one where masses are equal) with its derivative:
+    a scalar mass broadcast to the rows takes it back whole (the mean's derivative is
+    1/N per row)."""
+    total = psum_all(pencils, jnp.sum(jnp.where(valid, mass, 0)))
+    count = psum_all(pencils, jnp.sum(valid, dtype=int32))
+    return total / jnp.maximum(count, 1).astype(total.dtype)
+
+
+def so_step(
+    plan: Plan,
+    centres,
+    centre_valid,
+    density,
+    config: SOConfig,
+    radius: float,
+    smoothing: float | None = None,
+) -> Step:
     """The SO primitive as a pipeline step (replicated outputs)."""
 
     def run(decomposition):
         mass, so_radius, status = so_on_decomposition(
-            plan, decomposition, centres, centre_valid, density, config, radius
+            plan,
+            decomposition,
+            centres,
+            centre_valid,
+            density,
+            config,
+            radius,
+            smoothing=smoothing,
         )
         return {"mass": mass, "radius": so_radius, "status": status}
 

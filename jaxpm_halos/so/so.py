@@ -67,7 +67,14 @@ def resolve_radius(config: SOConfig, mean_separation: float, pencils: Pencils) -
 
 
 @program_cache(32)
-def _so_program(problem: Problem, in_specs, config: SOConfig, radius: float, empty: bool):
+def _so_program(
+    problem: Problem,
+    in_specs,
+    config: SOConfig,
+    radius: float,
+    empty: bool,
+    smoothing: float | None,
+):
     """``empty``: no centres were given; the program gets one placeholder centre, marked
     invalid (nothing is searched about it, and it cannot fail the status)."""
     layout = problem.layout
@@ -79,7 +86,7 @@ def _so_program(problem: Problem, in_specs, config: SOConfig, radius: float, emp
         fields["mass"] = row_masses(problem, fields)
         valid = local_valid(problem, fields["pos"].shape[0])
         centre_valid = jnp.full(centres.shape[0], not empty)
-        step = so_step(plan, centres, centre_valid, density, config, radius)
+        step = so_step(plan, centres, centre_valid, density, config, radius, smoothing)
         return on_device(plan, fields, valid, shape, {"so": step})
 
     specs = tuple(in_specs) + (P(), P())
@@ -154,6 +161,26 @@ def check_definition_units(names, densities, problem: Problem, args, given, inst
             )
 
 
+def check_smoothing(smoothing, problem: Problem | None = None) -> float | None:
+    """``smoothing`` as a positive float (or None), refused with per-particle masses (the
+    smooth definition counts equal masses)."""
+    if smoothing is None:
+        return None
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)):
+        raise ValueError(
+            f"smoothing={smoothing!r}: the SO smoothing width is a Python number (relative "
+            "to the radius, e.g. 0.1), fixed when the program is compiled"
+        )
+    if not (math.isfinite(smoothing) and smoothing > 0):
+        raise ValueError(f"smoothing={smoothing!r}: the SO smoothing width must be positive")
+    if problem is not None and problem.mass_kind == "rows":
+        raise ValueError(
+            "smoothing=: the smooth SO definition needs equal particle masses; pass mass= "
+            "as a scalar (JaxPM's particles have one mass), or leave smoothing out"
+        )
+    return float(smoothing)
+
+
 def _centres(centres, dtype):
     c = jnp.asarray(real_floats(centres, "SO centres"))
     if c.ndim != 2 or c.shape[-1] != 3:
@@ -186,6 +213,7 @@ def spherical_overdensity(
     mass=None,
     mesh=None,
     config: SOConfig | None = None,
+    smoothing: float | None = None,
     with_status: bool = False,
     grow: bool = True,
 ):
@@ -216,6 +244,9 @@ def spherical_overdensity(
       mesh: device mesh; default: the input's sharding (or the abstract mesh under ``jit``).
       config: :class:`~jaxpm_halos.SOConfig`; its ``radius`` bounds the radii that can be
         measured.
+      smoothing: ``None`` (the definition above) or a relative width ``h`` (e.g. 0.1):
+        the smooth definition, differentiable (below). Needs equal particle masses (a
+        scalar ``mass``, as JaxPM's).
       with_status: return ``(radius, mass, status)``, the
         :class:`~jaxpm_halos.Status` third.
       grow: outside ``jit``, a profile that has not fallen below the threshold within
@@ -228,8 +259,24 @@ def spherical_overdensity(
       replicated. Inside ``jit`` an unresolved profile is NaN and reported by the status;
       so is a non-finite centre (counted in ``status.nonfinite``; outside ``jit`` it raises
       :class:`~jaxpm_halos.InvalidInputError`).
-      Not differentiable: membership of a sphere is a discrete choice (gradients are
-      zero with respect to positions, masses, ``density`` and ``centres``).
+      Without ``smoothing``, not differentiable: membership of a sphere is a discrete
+      choice (gradients are zero with respect to positions, masses, ``density`` and
+      ``centres``).
+
+    Smooth masses: with ``R_i = (3 M_i / (4 pi density))^(1/3)``, the radius at which the
+    ``i`` nearest would sit at the threshold, the hard definition keeps particles while
+    ``r_i <= R_i``. The smooth one gives each particle the weight
+    ``S((1 - r_i / R_i) / h)`` (``S`` the C1 cubic step from 0 at -1 to 1 at 1: full
+    weight within ``(1 - h) R_i``, none beyond ``(1 + h) R_i``) and keeps it as far as
+    every nearer one passed: ``M = m sum_j prod_{i <= j} S((1 - r_i / R_i) / h)``,
+    ``R = (3 M / (4 pi density))^(1/3)``. It is the hard mass when ``h`` is below every
+    ``|1 - r_i / R_i|`` up to the crossing, and differentiable with respect to the
+    positions, the ``centres`` (e.g. a catalogue's, with its membership held fixed) and a
+    scalar ``mass``; not with respect to ``density``. It is biased low against the hard
+    mass, as every weight below 1 discounts the farther particles (docs/statistics.md gives
+    its size on JaxPM haloes). The particles whose weight lies strictly between 0 and
+    1 are kept for the derivative in the buffer ``'so smooth'``
+    (``SOConfig(smooth_factor=...)``).
 
     Examples:
         M200 about the centre of a clump of 50 unit masses, among 462 uniform ones in a
@@ -251,6 +298,7 @@ def spherical_overdensity(
     """
     problem, args, in_specs = prepare(pos, box_size, None, mass, mesh)
     config = SOConfig() if config is None else config
+    smoothing = check_smoothing(smoothing, problem)
     names, density = named_densities(density, omega_m, a)
     density, scalar = check_densities(density)
     if names:
@@ -263,7 +311,7 @@ def spherical_overdensity(
 
     def run(cfg):
         radius = resolve_radius(cfg, problem.mean_separation, problem.pencils)
-        return _so_program(problem, in_specs, cfg, radius, empty)(*args)
+        return _so_program(problem, in_specs, cfg, radius, empty, smoothing)(*args)
 
     if is_traced(args):
         out = _count_nonfinite_centres(run(config), centres)
