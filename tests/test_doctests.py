@@ -12,6 +12,7 @@ MODULES = [
     "jaxpm_halos.so.so",
     "jaxpm_halos.insitu.insitu",
     "jaxpm_halos.merger.links",
+    "jaxpm_halos.stats.abundance",
 ]
 
 

@@ -186,7 +186,8 @@ def soft_mass_derivative(record: Record, canon, centres, mass, density, smoothin
     centre = jnp.where(used, record.slot // d, 0)
     threshold = density[jnp.where(used, record.slot % d, 0)]
     r = _safe_sqrt(periodic_distance2(canon[record.row], centres[centre], box))  # (Q,)
-    u = _passing(threshold_radius(record.rank.astype(r.dtype) * mass, threshold), r, smoothing)
+    rank = jnp.where(used, record.rank, 1).astype(r.dtype)  # cbrt has no derivative at 0
+    u = _passing(threshold_radius(rank * mass, threshold), r, smoothing)
     weight = jnp.where(used, smooth_step(u), 0)
     first = jnp.concatenate([jnp.ones(1, bool), record.slot[1:] != record.slot[:-1]])
     passed = segment_scan(jnp.multiply, weight, first)  # (Q,)

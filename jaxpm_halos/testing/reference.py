@@ -187,3 +187,23 @@ def lightcone_reference(catalogues, times, observer, z_max, omega_m, box_size):
                     z_obs = (1 + z) * (1 + float(v @ p_) / d / c) - 1
                     rows.append((s, halo, d, ra, dec, z, z_obs))
     return np.array(sorted(rows, key=lambda row: row[2]))
+
+
+def soft_so_reference(pos, centres, box, density, mass, smoothing):
+    """Smooth SO masses (H,) by brute force in float64 (``spherical_overdensity``'s
+    ``smoothing``): ``M = m sum_j prod_{i <= j} S((1 - r_i / R_i) / h)``, with
+    ``R_i = (3 i m / (4 pi density))^(1/3)`` and S the C1 cubic step. Also returns, per
+    centre, whether some weight lies strictly between 0 and 1 (else M is the hard mass)."""
+    pos = np.mod(np.asarray(pos, np.float64), box)
+    out, fractional = np.zeros(len(centres)), np.zeros(len(centres), bool)
+    for h, c in enumerate(np.asarray(centres, np.float64)):
+        d = pos - np.mod(c, box)
+        d -= box * np.round(d / box)
+        r = np.sort(np.sqrt(np.sum(d * d, 1)))
+        radius_i = np.cbrt(3 * np.arange(1, len(r) + 1) * mass / (4 * np.pi * density))
+        u = np.clip((1 - r / radius_i) / smoothing, -1, 1)
+        weight = 0.5 + u * (0.75 - 0.25 * u * u)
+        out[h] = mass * np.sum(np.cumprod(weight))
+        closed = int(np.argmax(weight == 0))
+        fractional[h] = np.any((weight[:closed] > 0) & (weight[:closed] < 1))
+    return out, fractional
