@@ -305,6 +305,67 @@ def run_products(nc, rows):
     print(rows[-1], flush=True)
 
 
+def run_statistics(nc, rows):
+    """What each differentiable summary adds in situ at nc^3 on (2, 4), against one PM step,
+    forward and its reverse-mode gradient with respect to the state: smooth SO m200m
+    (h = 0.1) beyond the hard one in the FoF catalogue, the smoothed kNN-CDF (1,000 queries,
+    k = 1, 2, 4, 8, 8 radii) and the soft counts of the smooth masses (10 bins). One a = 1
+    state of a JaxPM run; each in-situ call jitted as a user writes it."""
+    from jaxpm_halos.insitu.registry import REGISTRY
+    from jaxpm_halos.stats import random_queries, register_knn_cdf, soft_counts
+    from jaxpm_halos.testing.snapshots import jaxpm_history
+
+    mesh, box = mesh_of((2, 4)), float(nc)
+    history = jaxpm_history(nc, box, 20, (0.5, 0.75, 1.0))
+    y = jax.device_put(
+        np.stack([history["disp"][-1], history["mom"][-1]]), NamedSharding(mesh, P(None, "x", "y"))
+    )
+    query, radii = random_queries(1000, box, seed=0), np.linspace(0.5, 4.0, 8)
+    register_knn_cdf("bench_knn_cdf", query=query, radii=radii, smoothing=0.1)
+    fof = dict(analyses=("fof",), so=("200m",), omega_m=history["omega_m"])
+    runs = {
+        "hard SO": (jh.InSitu(box_size=box, **fof), lambda out: _so_sum(out)),
+        "smooth SO": (jh.InSitu(box_size=box, so_smoothing=0.1, **fof), lambda out: _so_sum(out)),
+        "kNN-CDF": (
+            jh.InSitu(box_size=box, analyses=("bench_knn_cdf",)),
+            lambda out: jnp.sum(out["bench_knn_cdf"]["cdf"]),
+        ),
+    }
+    seconds = {}
+    for name, (insitu, summary) in runs.items():
+        forward = jax.jit(lambda y, insitu=insitu, summary=summary: summary(insitu(y, a=1.0)))
+        gradient = jax.jit(
+            jax.grad(lambda y, insitu=insitu, summary=summary: summary(insitu(y, a=1.0)))
+        )
+        seconds[name] = (timed(lambda: forward(y))[1], timed(lambda: gradient(y))[1])
+    counts = jax.jit(lambda m, v: soft_counts(m, np.linspace(11.5, 14.0, 11), width=0.1, valid=v))
+    cat = runs["smooth SO"][0](y, a=1.0)["fof"]["catalogue"]
+    mass, valid = cat.so["m200m"], cat.id >= 0
+    counts_gradient = jax.jit(jax.grad(lambda m, v: jnp.sum(counts(m, v) ** 2)))
+    seconds["soft counts"] = (
+        timed(lambda: counts(mass, valid))[1],
+        timed(lambda: counts_gradient(mass, valid))[1],
+    )
+    REGISTRY.pop("bench_knn_cdf")
+    t_pm = pm_step_seconds(nc, mesh, y)
+    hard = seconds.pop("hard SO")
+    seconds["smooth SO"] = tuple(s - h for s, h in zip(seconds["smooth SO"], hard))
+    for name, (forward, gradient) in seconds.items():
+        rows.append(
+            dict(
+                size=nc, kind="jaxpm", what=f"{tables.STATISTICS}: {name}", where="8 dev (2,4)",
+                n=nc**3, first=float("nan"), warm=forward, ref="PM step", ref_time=t_pm,
+                parts={"forward": forward, "gradient": gradient},
+            )
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+
+
+def _so_sum(out):
+    cat = out["fof"]["catalogue"]
+    return jnp.sum(jnp.where(cat.id >= 0, cat.so["m200m"], 0)) / 1e12
+
+
 def insitu_in_solve(rows):
     """The in-situ recipe through ``InSitu.saveat`` with 1, 2 and 5 save times on (2, 4):
     its diffeqsolve from the 2LPT state, with the analyses against the same solve saving
@@ -602,6 +663,7 @@ def main(argv=None):
             pm_and_insitu(nc, rows)
         if nc == 64:
             run_products(nc, rows)
+            run_statistics(nc, rows)
         if nc >= 64:
             bench_so(nc, rows)
         if nc == RECIPE["nc"]:

@@ -31,7 +31,8 @@ def check_edges(edges) -> np.ndarray:
     e = np.asarray(edges, np.float64)
     if e.ndim != 1 or e.size < 2 or not np.all(np.isfinite(e)) or not np.all(np.diff(e) > 0):
         raise ValueError(
-            f"edges must be at least two increasing finite values (log10 of the mass), got {edges!r}"
+            "edges must be at least two increasing finite values (log10 of the mass), "
+            f"got {edges!r}"
         )
     return e
 

@@ -40,6 +40,7 @@ from ..insitu.registry import Snapshot, register
 from ..knn._search import ghost_width, neighbour_distances
 from ..knn._steps import Spec, neighbours
 from ..knn.knn import check_k, knn
+from ..so._soft import smooth_step
 
 int32 = jnp.int32
 
@@ -138,14 +139,6 @@ def random_queries(n: int, box_size: float, seed: int = 0, dtype=np.float32) -> 
 
 # ----------------------------------------------------------------------------------------
 # The CDF from distances (shared by the offline call and the in-situ analysis)
-
-
-def smooth_step(u):
-    """``1/2 + 3u/4 - u^3/4`` on ``[-1, 1]``, 0 below and 1 above: C1, exactly 0 and 1 at
-    the ends (every product is a small dyadic number). Its derivative, ``3/4 (1 - u^2)``,
-    is the Epanechnikov kernel (zero mean, variance 1/5)."""
-    u = jnp.clip(u, -1, 1)
-    return 0.5 + u * (0.75 - 0.25 * u * u)
 
 
 def cdf_sums(d, valid, radii, smoothing=None):
