@@ -11,9 +11,11 @@ keeps a particle as far as all nearer ones passed::
     R = (3 M / (4 pi density))^(1/3).
 
 ``M`` is continuously differentiable in the positions wherever the order of the distances
-does not change. (The least weight instead of the product would be less biased where a
-profile lingers near the threshold, but has a kink wherever the least weight changes
-hands.)
+does not change. The product is biased low where a profile lingers near the threshold (at
+64^3 and h = 0.1 it puts the median halo at 0.85 of its hard m200m). Counting each particle
+with the least weight instead is nearly unbiased (0.99) but has a kink wherever another
+particle comes to hold the least weight: its derivatives swung by 6% within 1e-6 Mpc/h on a
+JaxPM catalogue. A forward model needs the smooth one; small ``h`` keeps its bias small.
 
 ``h`` is a width relative to the radius: a particle passes fully within ``(1 - h) R_i`` and
 not at all beyond ``(1 + h) R_i``, so the dense centre of a halo, far inside its ``R_i``,
