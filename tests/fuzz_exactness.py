@@ -13,7 +13,8 @@ On meshes (1, 8), (8, 1), (2, 4), (4, 2) and on one device it checks FoF labels 
 scipy (``cKDTree.query_pairs`` + ``connected_components``), kNN against ``cKDTree.query``
 (and the same distances and ids on every mesh: runs of duplicates tie at the k-th distance),
 and the catalogue's density peaks (the member at the smallest k-th neighbour distance) and
-SO masses about them (200 and 1000 times the mean density) against a float64 brute force.
+SO masses about them (200 and 1000 times the mean density, hard, and smooth with
+``smoothing=0.1`` at 200) against a float64 brute force.
 The calls run with default configs and grow their buffers themselves (``grow=True``); any
 exception, ``CapacityError`` included, counts as a failure, and the growth warnings are
 counted. ``--paste`` instead answers each ``CapacityError`` of ``grow=False`` calls by
@@ -44,7 +45,12 @@ from test_knn import _check_exact  # noqa: E402
 import jaxpm_halos as jh  # noqa: E402
 from jaxpm_halos.testing import reference as ref  # noqa: E402
 
-CONFIGS = {"DomainConfig": jh.DomainConfig, "FoFConfig": jh.FoFConfig, "KNNConfig": jh.KNNConfig}
+CONFIGS = {
+    "DomainConfig": jh.DomainConfig,
+    "FoFConfig": jh.FoFConfig,
+    "KNNConfig": jh.KNNConfig,
+    "SOConfig": jh.SOConfig,
+}
 
 
 def layout(seed, n, box, link):
@@ -109,6 +115,21 @@ def growing(run, config):
         warnings.simplefilter("always", jh.GrowthWarning)
         result = run(config)
     return result, sum(issubclass(w.category, jh.GrowthWarning) for w in caught)
+
+
+def _check_smooth_so(x, pos, box, centres, density, mesh, call):
+    """Smooth SO masses (h = 0.1) about the peaks equal the float64 definition."""
+    if len(centres) == 0:
+        return
+    _, got = call(
+        lambda c, **kw: jh.spherical_overdensity(
+            x, centres, box_size=box, density=density, mesh=mesh, smoothing=0.1, config=c, **kw
+        ),
+        jh.SOConfig(),
+    )
+    want = ref.soft_so_reference(pos, centres, box, density, 1.0, 0.1)[0]
+    off = np.max(np.abs(np.asarray(got) - want) / np.maximum(want, 1), initial=0)
+    assert off <= 1e-4, f"smooth SO m200 is {off:.2g} (relative) from the float64 definition"
 
 
 def _check_peaks_and_so(pos, box, labels, cat, r_k, thresholds):
@@ -199,14 +220,11 @@ def main(argv=None):
                 first = (dist, idx) if first is None else first
                 differ = int(np.sum(idx != first[1]) + np.sum(dist != first[0]))
                 assert differ == 0, f"kNN: {differ} distances or ids differ between meshes"
+                halos = cat.to_numpy()
                 _check_peaks_and_so(
-                    pos,
-                    box,
-                    np.asarray(labels),
-                    cat.to_numpy(),
-                    np.asarray(dist)[:, k - 1],
-                    thresholds,
+                    pos, box, np.asarray(labels), halos, np.asarray(dist)[:, k - 1], thresholds
                 )
+                _check_smooth_so(x, pos, box, halos["peak"], thresholds["200"], mesh, call)
             except Exception as error:  # noqa: BLE001 - every exception is a failure here
                 failures += 1
                 print(f"seed {seed}, {where}: {type(error).__name__}: {error}", flush=True)
