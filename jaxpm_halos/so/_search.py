@@ -52,15 +52,12 @@ from ..core.layout import Pencils
 from ..core.pipeline import Plan, Step
 from ..core.rows import common_mass, pmax_all, psum_all, selection, valued_with_derivative_of
 from ..core.status import Status
-from ._soft import Record, segment_scan, soft_batch, soft_mass_derivative
+from ._soft import FOUR_THIRDS_PI, Record, segment_scan, soft_batch, soft_mass_derivative
 
 int32 = jnp.int32
 
 
 _REACH = 2  # columns of side r / 2 on each side of a centre's column cover the radius r
-
-
-_FOUR_THIRDS_PI = 4.0 / 3.0 * math.pi
 
 
 def search_width(radius: float, box_size: float) -> float:
@@ -223,7 +220,7 @@ def _batch(
     ]
     d2 = periodic_distance2(frame.canon[row], centres[centre], box)  # (P,)
     inside = live & frame.valid[row] & (d2 <= level.radius2)
-    # The rows only where a window is recorded.
+    # The frame rows ride along only where windows are recorded.
     key, d2, m, *row = _by_centre_and_distance(
         jnp.where(inside, centre, h), d2, frame.mass[row], *([row] if smoothing else [])
     )
@@ -245,7 +242,7 @@ def _batch(
     within = segment_scan(jnp.add, weight, first) * scale  # (P,) mass of the i nearest
     before = jnp.where(first, 0, jnp.concatenate([jnp.zeros(1, m.dtype), within[:-1]]))
     r = jnp.sqrt(d2)
-    volume = _FOUR_THIRDS_PI * r * r * r
+    volume = FOUR_THIRDS_PI * r * r * r
     below = inside[:, None] & (within[:, None] < density[None, :] * volume[:, None])  # (P, D)
     position = jnp.where(below, t[:, None], pairs)
     crossing = jax.ops.segment_min(position, key, num_segments=h + 1)[:h]  # (H, D)
@@ -271,7 +268,7 @@ def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _
         r = radius / 2 ** (levels - 1 - level)
         cols, starts, ends = _windows(frame, centres, search_width(r, box))
         # Python float64 constants rounded once to the frame's dtype, as a literal would be.
-        volume = _FOUR_THIRDS_PI * r**3
+        volume = FOUR_THIRDS_PI * r**3
         stacked.append(
             _Level(
                 jnp.asarray(r, dtype),
@@ -355,9 +352,10 @@ def so_on_decomposition(
     massless members) and where the profile had not fallen below the threshold within
     ``radius``.
 
-    With ``smoothing`` (a length), the smooth definition of :mod:`._soft` for equal masses,
-    differentiable with respect to the particles' positions, ``centres`` and the common
-    mass; otherwise the hard one, whose derivative is zero.
+    With ``smoothing`` (a width relative to the radius), the smooth definition of
+    :mod:`._soft` for equal masses, differentiable with respect to the particles'
+    positions, ``centres`` and the common mass; otherwise the hard one, whose derivative
+    is zero.
     """
     pencils, box = plan.pencils, plan.pencils.box_size
     migrated = decomposition.migrated

@@ -45,7 +45,7 @@ from ..core.geometry import periodic_distance2
 
 int32 = jnp.int32
 
-_FOUR_THIRDS_PI = 4.0 / 3.0 * math.pi
+FOUR_THIRDS_PI = 4.0 / 3.0 * math.pi
 
 
 def smooth_step(u):
@@ -68,7 +68,7 @@ def segment_scan(op, values, starts):
 
 def threshold_radius(mass, density):
     """``(3 mass / (4 pi density))^(1/3)``: the radius at which ``mass`` is at the threshold."""
-    return jnp.cbrt(mass / (_FOUR_THIRDS_PI * density))
+    return jnp.cbrt(mass / (FOUR_THIRDS_PI * density))
 
 
 class Record(NamedTuple):
@@ -129,7 +129,7 @@ def soft_batch(
     # The next particle lies beyond the radius: its weight is 0 when its R_i, with its
     # mass added to the mass within, is at most radius / (1 + h).
     total = jax.ops.segment_sum(inside.astype(int32), key, num_segments=h + 1)[:h]  # (H,)
-    edge = _FOUR_THIRDS_PI * (radius / (1 + smoothing)) ** 3 * density  # (D,)
+    edge = FOUR_THIRDS_PI * (radius / (1 + smoothing)) ** 3 * density  # (D,)
     found = (closing < pairs) | ((total[:, None] + 1) * heaviest <= edge[None, :])
     kept = jnp.where(inside[:, None], passed, 0)
     mass = jax.ops.segment_sum(kept, key, num_segments=h + 1)[:h] * heaviest  # (H, D)
