@@ -375,6 +375,9 @@ def test_insitu_gradient_matches_finite_differences(registered):
 
     grad = jax.grad(f)(y)
     assert np.isfinite(np.asarray(grad)).all() and not np.asarray(grad[1]).any()
+    # Forward mode gives the same derivative (one psum of a float and an int32 once failed).
+    tangent = jax.jvp(f, (y,), (y,))[1]
+    np.testing.assert_allclose(float(tangent), float(jnp.vdot(grad, y)), rtol=1e-4)
     cells = NC / INSITU_BOX  # displacements are in lattice cells
     directions = []
     for v in _clean_directions(INSITU_POS, INSITU_QUERY, INSITU_BOX, RANKS, moved=256):

@@ -315,7 +315,9 @@ def knn_cdf_on_snapshot(snap: Snapshot, query, radii, *, k=(1, 2, 4, 8), smoothi
     nb, status, _ = neighbours(plan, snap.decomposition, spec, queries=(mine, valid))
     d = neighbour_distances(mine, nb, pencils.box_size)[:, np.asarray(ranks) - 1]  # (Q, K)
     sums, blank = cdf_sums(d, valid, jnp.asarray(radii, dtype), smoothing)
-    sums, blank = psum_all(pencils, (sums, blank))
+    # Two collectives: one psum of a float and an int32 fails under jax.jvp (the int's
+    # float0 tangent).
+    sums, blank = psum_all(pencils, sums), psum_all(pencils, blank)
     return cdf_fractions(sums, blank, mine.shape[0], dtype), status
 
 
