@@ -366,9 +366,10 @@ def test_insitu_cdf_is_the_same_on_every_mesh(registered, insitu_reference, shap
 
 
 @pytest.mark.newest
-def test_insitu_gradient_matches_finite_differences(registered):
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)]), ids=lambda s: f"mesh{s[0]}x{s[1]}")
+def test_insitu_gradient_matches_finite_differences(registered, shape):
     insitu = jh.InSitu(box_size=INSITU_BOX, analyses=registered[1:])
-    y = _state(make_mesh((2, 4)))
+    y = _state(make_mesh(shape))
 
     def f(y):
         return jnp.sum(WEIGHTS[:, : len(INSITU_RADII)] * insitu(y, a=1.0)["knn_cdf_smooth"]["cdf"])
