@@ -165,7 +165,9 @@ def _statistics_row(rows):
         for name in STATISTICS_PARTS
         if (r := _find(rows, 64, f"{STATISTICS}: {name}"))
     ]
-    return target, "; ".join(found) or "not measured", "reported"
+    if not found:
+        return target, "not measured", "-"
+    return target, "; ".join(found), "reported"
 
 
 def growth_row(rows):
