@@ -165,7 +165,8 @@ def cdf_fractions(sums, blank, count: int, dtype):
     """``sums / count`` (K, R) in ``dtype``, NaN for every radius of a rank where a row
     was not computed (``blank`` (K,) > 0)."""
     # A constant divisor would become a product with its rounded reciprocal: the barrier
-    # keeps the one correctly rounded division (count / Q exactly as numpy gives it).
+    # keeps the one correctly rounded division (count / Q as numpy gives it; an XLA
+    # compiled without optimisation may still divide through the reciprocal, one rounding).
     count = lax.optimization_barrier(jnp.asarray(count, dtype))
     return jnp.where(blank[:, None] > 0, jnp.nan, sums.astype(dtype) / count)
 
