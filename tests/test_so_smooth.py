@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpm_halos as jh
-from jaxpm_halos.testing.reference import soft_so_reference
+from jaxpm_halos.testing.reference import catalogue, soft_so_reference
 
 BOX = 16.0
 N = 4096
@@ -142,13 +142,10 @@ def _chain_reference(disp, labels, ids, weights, snap, density, mass, h):
     q = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1)
     pos = np.mod(q + disp, nc) * box / nc
     flat = pos.reshape(-1, 3)
-    centres = []
-    for i in ids:
-        members = flat[labels.reshape(-1) == i]
-        rel = members - members[0]
-        rel -= box * np.round(rel / box)
-        centres.append(np.mod(members[0] + rel.mean(0), box))
-    so = soft_so_reference(flat, np.array(centres), box, density, mass, h)[0]
+    groups = catalogue(flat, box, labels.reshape(-1), min_members=20)  # InSitu's default
+    centre_of = dict(zip(groups["id"], groups["pos"]))
+    centres = np.array([centre_of[i] for i in ids])
+    so = soft_so_reference(flat, centres, box, density, mass, h)[0]
     return np.sum(so * weights) / 1e12
 
 

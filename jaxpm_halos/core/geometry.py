@@ -129,6 +129,13 @@ _BAND = 32 * _ROUNDING  # relative: periodic_distance2 is within 7 roundings of 
 _DISTIL_PASSES = 12  # a cap: two settled each of 20,000 pairs within 3e-7 of l
 
 
+def safe_sqrt(d2):
+    """sqrt of squared distances with a zero (not NaN) derivative at 0 (duplicate
+    positions, a centre on a particle)."""
+    positive = d2 > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, d2, 1)), 0)
+
+
 def squared_length_limits(squared_length: float, dtype):
     """``(certain, upper)`` in ``dtype`` for the test ``d2 <= squared_length`` (float64):
     a float32 :func:`periodic_distance2` at most ``certain`` is within for sure, one above

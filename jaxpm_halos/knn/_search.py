@@ -56,7 +56,7 @@ from jax import lax
 
 from ..core.config import IMAGES, KNN_INDEX, REMOTE, KNNConfig
 from ..core.errors import Limit
-from ..core.geometry import periodic_distance2
+from ..core.geometry import periodic_distance2, safe_sqrt
 from ..core.pipeline import Plan
 from ..core.rows import pmax_all
 from ..core.status import Status
@@ -300,17 +300,11 @@ def knn_device(
 # Results: distances, densities
 
 
-def _safe_norm(d2):
-    """sqrt with a zero (not NaN) gradient at zero distance (duplicate positions)."""
-    positive = d2 > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, d2, 1)), 0)
-
-
 def neighbour_distances(query_pos, nb: Neighbours, box_size: float):
     """Differentiable distances (n, k) from each query to its neighbours; NaN where the
     query was not resolved (invalid rows, or a full cross-device buffer)."""
     d2 = periodic_distance2(query_pos[:, None, :], nb.pos, box_size)  # (n, k)
-    return jnp.where(nb.ok[:, None], _safe_norm(d2), jnp.nan)
+    return jnp.where(nb.ok[:, None], safe_sqrt(d2), jnp.nan)
 
 
 def _sum_left_to_right(columns):

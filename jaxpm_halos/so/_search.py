@@ -361,11 +361,10 @@ def so_on_decomposition(
     migrated = decomposition.migrated
     if mass is None:
         mass = migrated.payload["mass"]
-    moved_centres = wrap(centres, box)
     # The search runs on stopped values: membership is a discrete choice, and reverse mode
     # cannot differentiate the level loops (dynamic trip counts). The smooth masses take
     # their derivative afterwards, from the rows recorded (soft_mass_derivative).
-    common_diff = _common_mass_with_derivative(pencils, mass, migrated.valid)
+    moved_centres, moved_mass = centres, mass
     mass, density = jax.lax.stop_gradient((mass, density))
     frame, need_images = _frame(plan, decomposition, mass)
     common = common_mass(pencils, mass, migrated.valid)
@@ -403,7 +402,8 @@ def so_on_decomposition(
         (result, jnp.arange(rows) < need_centres, jnp.int32(0), record),
     )
     if smoothing is not None:
-        centre_rows = jnp.take(moved_centres, picked, axis=0, mode="fill", fill_value=0)
+        centre_rows = jnp.take(wrap(moved_centres, box), picked, axis=0, mode="fill", fill_value=0)
+        common_diff = _common_mass_with_derivative(pencils, moved_mass, migrated.valid)
         derivative = soft_mass_derivative(
             record, frame.moved, centre_rows, common_diff, density, smoothing, box
         )

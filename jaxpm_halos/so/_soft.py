@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core.geometry import periodic_distance2
+from ..core.geometry import periodic_distance2, safe_sqrt
 
 int32 = jnp.int32
 
@@ -172,12 +172,6 @@ def _passing(radius_i, r, smoothing: float):
     return jnp.where(positive, (1 - r / jnp.where(positive, radius_i, 1)) / smoothing, 1)
 
 
-def _safe_sqrt(d2):
-    """sqrt with a zero (not NaN) derivative at 0: a centre on a particle (a density peak)."""
-    positive = d2 > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, d2, 1)), 0)
-
-
 def soft_mass_derivative(record: Record, canon, centres, mass, density, smoothing: float, box):
     """``(C, D)`` smooth masses recomputed from the recorded windows: the same value as
     the search's up to rounding, with the derivative with respect to ``canon`` (R, 3)
@@ -187,7 +181,8 @@ def soft_mass_derivative(record: Record, canon, centres, mass, density, smoothin
     used = jnp.arange(q) < record.fill  # (Q,)
     centre = jnp.where(used, record.slot // d, 0)
     threshold = density[jnp.where(used, record.slot % d, 0)]
-    r = _safe_sqrt(periodic_distance2(canon[record.row], centres[centre], box))  # (Q,)
+    # A centre on a particle (a density peak) is at distance 0.
+    r = safe_sqrt(periodic_distance2(canon[record.row], centres[centre], box))  # (Q,)
     rank = jnp.where(used, record.rank, 1).astype(r.dtype)  # cbrt has no derivative at 0
     u = _passing(threshold_radius(rank * mass, threshold), r, smoothing)
     weight = jnp.where(used, smooth_step(u), 0)
