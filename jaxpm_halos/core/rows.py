@@ -28,7 +28,13 @@ def sources(target, rows: int):
     a gather compiles to a kernel half the cost of a scatter's (and fuses with what reads
     it), which matters with tens of fields in every migration."""
     n = target.shape[0]
-    return jnp.full((rows,), n, int32).at[target].set(jnp.arange(n, dtype=int32), mode="drop")
+    # Both arrays are tied to ``target``: a plain ``jax.jit`` would form input-free arrays
+    # (an ``arange``, a ``full``) at the start and keep every migration's live at once.
+    # Neither expression can be folded, and neither changes a value: a row whose target is
+    # the smallest int32 is dropped, and max(n, min(t, n)) is n.
+    row = jnp.where(target == jnp.iinfo(int32).min, 0, jnp.arange(n, dtype=int32))
+    none = jnp.maximum(n, jnp.minimum(target[:1], n)) if n else jnp.zeros((1,), int32)  # n
+    return jnp.broadcast_to(none, (rows,)).at[target].set(row, mode="drop")
 
 
 def selection(mask, rows: int):

@@ -39,7 +39,7 @@ from ..core.geometry import exactly_within, periodic_distance2, squared_length_l
 from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.layout import Pencils
 from ..core.pipeline import Plan, Step
-from ..core.rows import pmax_all, psum_all, selection
+from ..core.rows import pmax_all, psum_all, selection, sources
 from ..core.status import Status
 
 int32 = jnp.int32
@@ -74,7 +74,7 @@ def local_components(
     cols = sort_columns((wx + 2 * width, wy + 2 * width), l, pos, origin, valid)
     sorted_pos = canon[cols.order]
     rows = cols.order.shape[0]
-    rank = jnp.zeros(rows, int32).at[cols.order].set(jnp.arange(rows, dtype=int32))
+    rank = sources(cols.order, rows)  # a permutation: every slot is filled
 
     # Each image is the same particle as the row it copies.
     n_ext = ext.pos.shape[0]

@@ -58,7 +58,7 @@ from ..core.config import IMAGES, KNN_INDEX, REMOTE, KNNConfig
 from ..core.errors import Limit
 from ..core.geometry import periodic_distance2, safe_sqrt
 from ..core.pipeline import Plan
-from ..core.rows import pmax_all
+from ..core.rows import pmax_all, sources
 from ..core.status import Status
 from ._frame import (  # noqa: F401
     SearchFrame,
@@ -185,7 +185,7 @@ def _to_input_order(home, *arrays):
     """Rows of ``arrays`` (n, ...) in query order to owned-row (or input) order: query
     ``i`` goes to row ``home[i]`` (``n`` for none); rows nobody fills are -1/False."""
     n = home.shape[0]
-    inverse = jnp.full((n,), n, int32).at[home].set(jnp.arange(n, dtype=int32), mode="drop")
+    inverse = sources(home, n)
     filled = inverse < n
     inverse = jnp.minimum(inverse, n - 1)
     return tuple(

@@ -266,6 +266,13 @@ def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _
     stacked = []
     for level in range(levels):
         r = radius / 2 ** (levels - 1 - level)
+        if stacked:
+            # One level's column sort at a time: a plain jit's scheduler would otherwise
+            # form every level's int64 keys at once. The origin gains a data dependence on
+            # the last level's order (it adds exactly zero; XLA:CPU drops optimization
+            # barriers before scheduling, so they cannot order this).
+            zero = jnp.minimum(stacked[-1].order[0], 0).astype(frame.origin.dtype)
+            frame = frame._replace(origin=frame.origin + zero)
         cols, starts, ends = _windows(frame, centres, search_width(r, box))
         # Python float64 constants rounded once to the frame's dtype, as a literal would be.
         volume = FOUR_THIRDS_PI * r**3
