@@ -165,3 +165,28 @@ def test_sort_rows_is_a_stable_argsort():
     want = np.argsort(key, kind="stable")
     np.testing.assert_array_equal(np.asarray(order), want)
     np.testing.assert_array_equal(np.asarray(sorted_key), key[want])
+
+
+def test_sources_inverts_a_scatter_to_distinct_slots():
+    """``sources`` (every migration's index) against numpy: targets out of range (the int32
+    extremes, ``rows`` itself) are dropped, empty slots hold ``len(target)``, and an empty
+    input gives empty slots; ``selection`` keeps the marked rows in order."""
+    from jaxpm_halos.core.rows import selection, sources
+
+    rng = np.random.default_rng(2)
+    rows = 900
+    target = rng.permutation(2 * rows)[:700].astype(np.int32)  # distinct, half beyond rows
+    target[:3] = [np.iinfo(np.int32).min, np.iinfo(np.int32).max, rows]
+    want = np.full(rows, target.size, np.int32)
+    keep = (target >= 0) & (target < rows)
+    want[target[keep]] = np.nonzero(keep)[0]
+    got = jax.jit(sources, static_argnums=1)(jnp.asarray(target), rows)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    empty = jax.jit(sources, static_argnums=1)(jnp.zeros((0,), jnp.int32), 5)
+    np.testing.assert_array_equal(np.asarray(empty), np.zeros(5, np.int32))
+    mask = rng.random(3000) < 0.2
+    picked, count = jax.jit(selection, static_argnums=1)(jnp.asarray(mask), 800)
+    marked = np.nonzero(mask)[0]
+    assert int(count) == marked.size
+    np.testing.assert_array_equal(np.asarray(picked)[: marked.size], marked)
+    assert np.all(np.asarray(picked)[marked.size :] == mask.size)
