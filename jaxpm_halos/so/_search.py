@@ -269,8 +269,8 @@ def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _
         if stacked:
             # One level's column sort at a time: a plain jit's scheduler would otherwise
             # form every level's int64 keys at once. The origin gains a data dependence on
-            # the last level's order (it adds exactly zero; XLA:CPU drops optimization
-            # barriers before scheduling, so they cannot order this).
+            # the last level's order (it adds exactly zero; an optimization barrier did
+            # not order the sorts: XLA:CPU's compiled program keeps none).
             zero = jnp.minimum(stacked[-1].order[0], 0).astype(frame.origin.dtype)
             frame = frame._replace(origin=frame.origin + zero)
         cols, starts, ends = _windows(frame, centres, search_width(r, box))
