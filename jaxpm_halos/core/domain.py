@@ -32,6 +32,7 @@ from . import control
 from .cells import sort_rows
 from .layout import Pencils
 from .rows import (
+    after,
     by_dtype,
     compact,
     pmax_all,
@@ -338,7 +339,7 @@ def build_ghosts(pencils: Pencils, pos, ids, valid, width: float, ghost_rows: in
     for dim, (axis, blocks) in enumerate(_stage_axes(pencils)):
         to_low, to_high = faces(dim, values["valid"], values["pos"][:, dim])
         low, n_low = selection(to_low, ghost_rows)
-        high, n_high = selection(to_high, ghost_rows)
+        high, n_high = selection(after(low, to_high), ghost_rows)
         if dim == 0:
             (from_high_y, from_low_y) = _swap(axis, blocks, y_counts(to_low), y_counts(to_high))
             y_need = y_need + from_high_y + from_low_y

@@ -37,6 +37,14 @@ def sources(target, rows: int):
     return jnp.broadcast_to(none, (rows,)).at[target].set(row, mode="drop")
 
 
+def after(index, mask):
+    """``mask`` unchanged, formed only once the int32 ``index`` is: two selections so
+    ordered keep one's temporaries live at a time in a plain ``jax.jit`` (whose scheduler
+    forms independent work early). No index is the smallest int32, which XLA cannot know,
+    so the test is not folded away."""
+    return mask & jnp.all(index[:1] != jnp.iinfo(int32).min)
+
+
 def selection(mask, rows: int):
     """Indices of the rows where ``mask`` holds, in order, padded with ``len(mask)``, and
     their number (which exceeds ``rows`` on overflow)."""
