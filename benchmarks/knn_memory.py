@@ -1,10 +1,12 @@
-"""XLA temporaries of kNN (per device x devices, per particle) from ``memory_analysis``.
+"""XLA temporaries of kNN and FoF (per device x devices, per particle) from ``memory_analysis``.
 
-    python benchmarks/knn_memory.py [--nc 64] [--k 16] [--what density neighbours] [--top 12]
-        [--search auto|tree|scan]
+    python benchmarks/knn_memory.py [--nc 64] [--k 16] [--what density neighbours fof]
+        [--top 12] [--search auto|tree|scan] [--abstract] [--devices 1]
 
-Compiles ``knn_density`` (and ``knn`` returning full lists) on a JaxPM z = 0 snapshot, mesh
-(2, 4) of 8 CPU devices, without running it, and prints XLA's temporary bytes per particle:
+Compiles ``knn_density`` (``knn`` returning full lists, FoF with b = 0.2 and 20 members) on
+a JaxPM z = 0 snapshot, mesh (2, 4) of 8 CPU devices (or unsharded on one device with
+``--devices 1``, which needs ``--abstract``), without running it, and prints XLA's
+temporary bytes per particle:
 as the call compiles it outside ``jit`` (with the library's compiler options) and inside a
 plain ``jax.jit`` (XLA's defaults).
 ``--top`` lists the largest buffers of the compiled program (from its buffer assignment).
@@ -42,9 +44,11 @@ def main(argv=None):
         help="no snapshot: compile from_jaxpm + the call on an abstract "
         "displacement grid (shapes are all the compiled program needs)",
     )
+    parser.add_argument("--devices", type=int, default=8, choices=(1, 8))
     args = parser.parse_args(argv)
-    mesh = make_mesh((2, 4))
-    sharding = NamedSharding(mesh, P("x", "y"))
+    if args.devices == 1 and not args.abstract:
+        parser.error("--devices 1 compiles from shapes only: add --abstract")
+    sharding = None if args.devices == 1 else NamedSharding(make_mesh((2, 4)), P("x", "y"))
     box = float(args.nc)
     n = args.nc**3
     if args.abstract:
@@ -57,16 +61,17 @@ def main(argv=None):
     fns = {
         "density": lambda p: jaxpm_halos.knn_density(prep(p), k=args.k, config=config),
         "neighbours": lambda p: jaxpm_halos.knn(prep(p), k=args.k, config=config),
+        "fof": lambda p: jaxpm_halos.fof(prep(p), b=0.2, min_members=20)[0],
     }
     for what in args.what:
         plain = jax.jit(fns[what]).lower(x).compile().memory_analysis().temp_size_in_bytes
         compiled = JitProgram(fns[what]).lower(x).compile()
         stats = compiled.memory_analysis()
-        temp = stats.temp_size_in_bytes * len(jax.devices())
+        temp = stats.temp_size_in_bytes * args.devices
         print(
-            f"{args.nc}^3 k={args.k} {what}: XLA temp {temp / n:.0f} B/particle "
+            f"{args.nc}^3 {args.devices} dev k={args.k} {what}: XLA temp {temp / n:.0f} B/particle "
             f"({stats.temp_size_in_bytes / 2**20:.1f} MiB per device) as the call compiles "
-            f"it; {plain * len(jax.devices()) / n:.0f} B/particle in a plain jax.jit",
+            f"it; {plain * args.devices / n:.0f} B/particle in a plain jax.jit",
             flush=True,
         )
         if args.top:
