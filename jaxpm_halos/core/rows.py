@@ -33,7 +33,7 @@ def sources(target, rows: int):
     # Neither expression can be folded, and neither changes a value: a row whose target is
     # the smallest int32 is dropped, and max(n, min(t, n)) is n.
     row = jnp.where(target == jnp.iinfo(int32).min, 0, jnp.arange(n, dtype=int32))
-    none = jnp.maximum(n, jnp.minimum(target[:1], n)) if n else jnp.zeros((1,), int32)  # n
+    none = jnp.maximum(n, jnp.minimum(target[:1], n)).astype(int32) if n else jnp.zeros(1, int32)
     return jnp.broadcast_to(none, (rows,)).at[target].set(row, mode="drop")
 
 
