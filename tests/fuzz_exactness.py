@@ -1,6 +1,7 @@
 """A longer exactness campaign than the suite: random adversarial layouts, every test mesh.
 
     python tests/fuzz_exactness.py --seeds 20          # about 50 min on 2 cores
+    python tests/fuzz_exactness.py --seeds 20 --search scan   # the accelerator path's kNN
 
 Each seed draws clumps on pencil faces, edges and box corners (widths from 0.01 to 2.5
 linking lengths), chains spaced 0.9 l that may cross the whole box, runs of exact
@@ -160,6 +161,12 @@ def main(argv=None):
     parser.add_argument("--box", type=float, default=16.0)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument(
+        "--search",
+        choices=("auto", "tree", "scan"),
+        default="auto",
+        help="KNNConfig.search of the kNN and peak searches (scan: the accelerator path)",
+    )
+    parser.add_argument(
         "--paste",
         action="store_true",
         help="grow=False, pasting each suggestion instead of growing",
@@ -172,6 +179,7 @@ def main(argv=None):
     mean = args.n / box**3
     thresholds = {"200": 200 * mean, "1000": 1000 * mean}
     failures = grown = 0
+    knn_config = jh.KNNConfig(search=args.search)
 
     def call(run, config):
         nonlocal grown
@@ -208,12 +216,12 @@ def main(argv=None):
                         config=c,
                         **kw,
                     ),
-                    jh.FoFConfig(),
+                    jh.FoFConfig(knn=knn_config),
                 )
                 wrong = int(np.sum(np.asarray(labels) != want))
                 assert wrong == 0, f"FoF: {wrong} labels differ from scipy's"
                 dist, idx = call(
-                    lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw), jh.KNNConfig()
+                    lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw), knn_config
                 )
                 _check_exact(pos, box, k, dist, idx)
                 dist, idx = np.asarray(dist), np.asarray(idx)

@@ -37,12 +37,13 @@ def sources(target, rows: int):
     return jnp.broadcast_to(none, (rows,)).at[target].set(row, mode="drop")
 
 
-def after(index, mask):
-    """``mask`` unchanged, formed only once the int32 ``index`` is: two selections so
-    ordered keep one's temporaries live at a time in a plain ``jax.jit`` (whose scheduler
-    forms independent work early). No index is the smallest int32, which XLA cannot know,
-    so the test is not folded away."""
-    return mask & jnp.all(index[:1] != jnp.iinfo(int32).min)
+def after(index, values):
+    """``values`` unchanged, formed only once the int32 ``index`` is: work so ordered (two
+    selections, one level's sorts after another's) keeps one part's temporaries live at a
+    time in a plain ``jax.jit``, whose scheduler forms independent work early. No index is
+    the smallest int32, which XLA cannot know, so the test is not folded away (an
+    optimization barrier would not order them: XLA:CPU's compiled program keeps none)."""
+    return jnp.where(jnp.all(index[:1] != jnp.iinfo(int32).min), values, jnp.zeros_like(values))
 
 
 def selection(mask, rows: int):

@@ -50,7 +50,14 @@ from ..core.geometry import periodic_distance2, wrap
 from ..core.ghosts import ghost_width, widest_linking_length, z_images
 from ..core.layout import Pencils
 from ..core.pipeline import Plan, Step
-from ..core.rows import common_mass, pmax_all, psum_all, selection, valued_with_derivative_of
+from ..core.rows import (
+    after,
+    common_mass,
+    pmax_all,
+    psum_all,
+    selection,
+    valued_with_derivative_of,
+)
 from ..core.status import Status
 from ._soft import FOUR_THIRDS_PI, Record, segment_scan, soft_batch, soft_mass_derivative
 
@@ -268,11 +275,8 @@ def _levels(frame: _Frame, centres, radius: float, levels: int, box: float) -> _
         r = radius / 2 ** (levels - 1 - level)
         if stacked:
             # One level's column sort at a time: a plain jit's scheduler would otherwise
-            # form every level's int64 keys at once. The origin gains a data dependence on
-            # the last level's order (it adds exactly zero; an optimization barrier did
-            # not order the sorts: XLA:CPU's compiled program keeps none).
-            zero = jnp.minimum(stacked[-1].order[0], 0).astype(frame.origin.dtype)
-            frame = frame._replace(origin=frame.origin + zero)
+            # form every level's int64 keys at once.
+            frame = frame._replace(origin=after(stacked[-1].order, frame.origin))
         cols, starts, ends = _windows(frame, centres, search_width(r, box))
         # Python float64 constants rounded once to the frame's dtype, as a literal would be.
         volume = FOUR_THIRDS_PI * r**3
