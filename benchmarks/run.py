@@ -33,10 +33,12 @@ answer stops the benchmark. Figures compared are ratios measured in the same run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -54,7 +56,7 @@ import tables  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
-from tables import KEEP_BELOW, KNN_KS, RECIPE, RECIPE_SAVES  # noqa: E402
+from tables import KEEP_BELOW, KNN_KS, KNN_SIZES, RECIPE, RECIPE_SAVES, SCAN  # noqa: E402
 
 import jaxpm_halos as jh  # noqa: E402
 from jaxpm_halos.testing.reference import fof_components as scipy_fof  # noqa: E402
@@ -181,6 +183,48 @@ def bench_size(nc, kind, rows):
             )
         )
         print(rows[-1], flush=True)
+    if kind == "jaxpm" and nc in KNN_SIZES:
+        bench_scan(nc, x8, pos, box, rows)
+
+
+def selection_ops(compiled_text):
+    """Sorts and TopKs over lists of neighbours in a compiled CPU program: ``sort`` of
+    rank-2 operands (lists x entries) and the ``TopK`` custom calls. The rows' Morton key
+    sorts (rank 1) are not counted."""
+    shapes = re.findall(r"= \(?(\w+\[[\d,]*\])[^\n]*? sort\(", compiled_text)
+    return {
+        "sort": sum(shape.count(",") == 1 for shape in shapes),
+        "topk": compiled_text.count('custom_call_target="TopK"'),
+    }
+
+
+def bench_scan(nc, x8, pos, box, rows):
+    """kNN density k = 16 through the accelerator path (``KNNConfig(search="scan")``, the
+    program a GPU runs) on (2, 4), against cKDTree(k = 17) timed here, and the sorts and
+    TopKs over candidate lists its compiled program holds."""
+    k, config = 16, jh.KNNConfig(search="scan")
+    t_ref, (d, _) = min_time(lambda: cKDTree(pos, boxsize=box).query(pos, k=k + 1, workers=-1))
+    rho_ref = (k - 1) / (4 / 3 * np.pi * d[:, k] ** 3)
+    fn = jax.jit(lambda x: jh.knn_density(x, k=k, config=config))
+    first, warm, rho = timed(lambda: fn(x8))
+    ops = selection_ops(fn.lower(x8).compile().as_text())  # after: the first call compiles
+    if not np.allclose(np.asarray(rho).reshape(-1), rho_ref, rtol=2e-5):
+        raise AssertionError(f"the scan path's kNN density differs from cKDTree at {nc}^3")
+    rows.append(
+        dict(
+            size=nc,
+            kind="jaxpm",
+            what=SCAN,
+            where="8 dev (2,4)",
+            n=len(pos),
+            first=first,
+            warm=warm,
+            ref="cKDTree",
+            ref_time=t_ref,
+            selection_ops=ops,
+        )
+    )
+    print(rows[-1], flush=True)
 
 
 def pm_step_seconds(nc, mesh, y):
@@ -401,24 +445,32 @@ def insitu_in_solve(rows):
                 ref=f"PM step (solve / {steps})",
                 ref_time=t_off / steps,
                 solve_first=(first_off, first),
+                solve_compile=(first_off - t_off, first - t_on),
             )
         )  # without, with the analyses
         print(rows[-1], flush=True)
 
 
 def solve_memory():
-    """XLA temporaries (bytes) of the recipe's compiled solve with one save time, with and
-    without the analyses, on one device and on (2, 4): ``{where: (without, with)}``."""
+    """XLA temporaries (bytes) of the recipe's compiled solve with one save time in a user's
+    plain ``jax.jit``, on one device and on (2, 4): ``{where: (without, with, with_all)}``,
+    without analyses, with FoF and kNN density, and with FoF, kNN density, M200m and peak
+    centres."""
     import diffrax
     from insitu_save_times import analyses, solve_temporaries
 
     nc, steps = RECIPE["nc"], RECIPE["steps"]
     insitu = analyses(RECIPE["box"])
+    every = dataclasses.replace(insitu, so=("200m",), centre="peak")
     out = {}
     for where, mesh in (("1 dev", None), ("8 dev (2,4)", mesh_of((2, 4)))):
-        out[where] = (
-            solve_temporaries(nc, steps, mesh, diffrax.SaveAt(ts=jnp.asarray([1.0]))),
-            solve_temporaries(nc, steps, mesh, insitu.saveat([1.0], t0=0.1, t1=1.0)),
+        out[where] = tuple(
+            solve_temporaries(nc, steps, mesh, saveat)
+            for saveat in (
+                diffrax.SaveAt(ts=jnp.asarray([1.0])),
+                insitu.saveat([1.0], t0=0.1, t1=1.0),
+                every.saveat([1.0], t0=0.1, t1=1.0),
+            )
         )
         jh.clear_caches()
         print("solve temporaries", where, out[where], flush=True)
@@ -604,8 +656,9 @@ def results_of(rows, memory, solve_mem):
             for (nc, what), (first, warm, temp, own) in sorted(memory.items())
         ],
         "solve_memory": [
-            {"where": where, "without": off / RECIPE["nc"] ** 3, "with": on / RECIPE["nc"] ** 3}
-            for where, (off, on) in solve_mem.items()
+            dict(zip(("without", "with", "with_all"), (b / RECIPE["nc"] ** 3 for b in bytes_)))
+            | {"where": where}
+            for where, bytes_ in solve_mem.items()
         ],
     }
 

@@ -64,7 +64,13 @@ def test_targets_follow_the_limits(tables):
         _row(64, "knn_density k=16", 0.9, 1.0),
         _row(64, "knn_density k=8", 1.3, 1.0),
         _row(64, "in-situ fof+knn_density k=16", 0.29, 0.1, first=40.0),
-        _saveat(1, 0.5, 0.1, first=60.0),
+        dict(_saveat(1, 0.5, 0.1, first=60.0), solve_compile=(4.0, 7.0)),
+        dict(
+            _row(64, "knn_density k=16, search=scan", 1.1, 1.0), selection_ops=dict(topk=0, sort=0)
+        ),
+        dict(
+            _row(128, "knn_density k=16, search=scan", 0.9, 1.0), selection_ops=dict(topk=2, sort=0)
+        ),
         _saveat(5, 0.7, 0.1),
         _row(32, "fof", 0.01, 1.0),
     ]
@@ -76,7 +82,7 @@ def test_targets_follow_the_limits(tables):
     ]
     solve = [
         {"where": "1 dev", "without": 100, "with": 120},
-        {"where": "8 dev (2,4)", "without": 100, "with": 140},
+        {"where": "8 dev (2,4)", "without": 100, "with": 140, "with_all": 125},
     ]
     table = tables.target_rows(dict(rows=rows, memory=memory, solve_memory=solve))
     # The worst data kind decides: uniform FoF at 3.1x misses the 3x target.
@@ -89,18 +95,32 @@ def test_targets_follow_the_limits(tables):
     # include the whole simulation) are not judged.
     assert _status(table, "compile")[1] == "**missed**"
     assert "in-situ fof+knn_density k=16" in _status(table, "compile")[0]
-    # Judged as the call compiles it (390 B), with the plain jit's figure beside it; 32^3 is
-    # not one of #19's sizes: its 900 B is not judged.
-    assert _status(table, "XLA temporaries of knn") == (
-        "64^3: 390 B (XLA temp; 500 B in a plain jit)",
-        "met",
+    # Judged as the call compiles it (390 B) and in a plain jit (500 B); 32^3 is not one of
+    # the sizes judged: its 900 B is not.
+    assert _status(table, "XLA temporaries of knn") == ("64^3: 390 B (XLA temp)", "met")
+    assert _status(table, "the same in a user's plain") == ("64^3: 500 B (XLA temp)", "**missed**")
+    # The accelerator path: 1.1x at 64^3 misses; two TopKs at 128^3 miss the sort-free target.
+    figures, verdict = _status(table, "accelerator path")
+    assert "64^3: 1.10x" in figures and "128^3: 0.90x" in figures and verdict == "**missed**"
+    assert _status(table, "no sort and no TopK") == (
+        "64^3: 0 TopK, 0 sorts; 128^3: 2 TopK, 0 sorts",
+        "**missed**",
+    )
+    assert _status(table, "the recipe's solve compile") == (
+        "1 snapshot(s): 1.75x (4.0 -> 7.0 s)",
+        "**missed**",
     )
     figures, verdict = _status(table, "in situ")
     assert figures.startswith("1 snapshot(s): 5.0 PM steps") and verdict == "**missed**"
     assert "5 snapshot(s): 7.0 PM steps" in figures
-    figures, verdict = _status(table, "the recipe's solve")
+    figures, verdict = _status(table, "the recipe's solve temporaries")
     assert "1 dev: 1.20x" in figures and "8 dev (2,4): 1.40x" in figures
     assert verdict == "**missed**"
+    # Every analysis: judged where measured (the 1-device entry has no with_all).
+    assert _status(table, "the same in a plain jax.jit with FoF") == (
+        "8 dev (2,4): 1.25x (100 -> 125)",
+        "met",
+    )
     assert _status(table, "warm peak memory of fof")[1] == "**missed**"  # 1100 B at 128^3
     assert _status(table, "warm peak memory of knn")[1] == "met"
     figures, verdict = _status(table, "growth")
