@@ -1,7 +1,8 @@
 """A longer exactness campaign than the suite: random adversarial layouts, every test mesh.
 
     python tests/fuzz_exactness.py --seeds 20          # about 50 min on 2 cores
-    python tests/fuzz_exactness.py --seeds 20 --search scan   # the accelerator path's kNN
+    python tests/fuzz_exactness.py --seeds 20 --search scan   # the accelerator path
+    python tests/fuzz_exactness.py --seeds 20 --search scan --knn-only   # its kNN alone
 
 Each seed draws clumps on pencil faces, edges and box corners (widths from 0.01 to 2.5
 linking lengths), chains spaced 0.9 l that may cross the whole box, runs of exact
@@ -167,6 +168,11 @@ def main(argv=None):
         help="KNNConfig.search of the kNN and peak searches (scan: the accelerator path)",
     )
     parser.add_argument(
+        "--knn-only",
+        action="store_true",
+        help="only the kNN checks (against cKDTree and across meshes): a kNN change's campaign",
+    )
+    parser.add_argument(
         "--paste",
         action="store_true",
         help="grow=False, pasting each suggestion instead of growing",
@@ -189,6 +195,18 @@ def main(argv=None):
         grown += warned
         return result
 
+    def check_knn(x, mesh):
+        """kNN against cKDTree, and the same distances and ids as the first mesh's (runs of
+        duplicates tie at the k-th distance); returns the distances."""
+        nonlocal first
+        dist, idx = call(lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw), knn_config)
+        _check_exact(pos, box, k, dist, idx)
+        dist, idx = np.asarray(dist), np.asarray(idx)
+        first = (dist, idx) if first is None else first
+        differ = int(np.sum(idx != first[1]) + np.sum(dist != first[0]))
+        assert differ == 0, f"kNN: {differ} distances or ids differ between meshes"
+        return dist
+
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         start = time.time()
         pos = layout(seed, args.n, box, link)
@@ -203,6 +221,9 @@ def main(argv=None):
             )
             where = "one device" if mesh is None else f"mesh {tuple(mesh.shape.values())}"
             try:
+                if args.knn_only:
+                    check_knn(x, mesh)
+                    continue
                 labels, cat = call(
                     lambda c, **kw: jh.fof(
                         x,
@@ -220,14 +241,7 @@ def main(argv=None):
                 )
                 wrong = int(np.sum(np.asarray(labels) != want))
                 assert wrong == 0, f"FoF: {wrong} labels differ from scipy's"
-                dist, idx = call(
-                    lambda c, **kw: jh.knn(x, box, k, mesh=mesh, config=c, **kw), knn_config
-                )
-                _check_exact(pos, box, k, dist, idx)
-                dist, idx = np.asarray(dist), np.asarray(idx)
-                first = (dist, idx) if first is None else first
-                differ = int(np.sum(idx != first[1]) + np.sum(dist != first[0]))
-                assert differ == 0, f"kNN: {differ} distances or ids differ between meshes"
+                dist = check_knn(x, mesh)
                 halos = cat.to_numpy()
                 _check_peaks_and_so(
                     pos, box, np.asarray(labels), halos, np.asarray(dist)[:, k - 1], thresholds
