@@ -11,6 +11,9 @@ size) it times, after a warm-up, the minimum of several runs of:
   mesh (2, 4) and on one device, against scipy (cKDTree.query_pairs + connected_components)
   and kdcount's fof;
 * kNN density (k = 8, 16 and 32) through jaxpm_halos against cKDTree.query(workers=-1);
+  at 64^3 and 128^3 also k = 16 through the accelerator path (``KNNConfig(search="scan")``,
+  the program a GPU runs), with the sorts and TopKs over candidate lists in its compiled
+  program;
 * the first call (compile) of each jaxpm_halos program;
 * one JaxPM PM step (a force evaluation) at the same size, and the in-situ cost of FoF plus
   kNN density (k = 16) in one shared decomposition, as a ratio to it;
@@ -21,8 +24,9 @@ size) it times, after a warm-up, the minimum of several runs of:
   against one PM step;
 * the in-situ recipe of docs/insitu.md (64^3, 128 Mpc/h, 10 LeapfrogMidpoint steps, mesh (2, 4))
   with 1, 2 and 5 save times through ``InSitu.saveat``: the extra time per snapshot in PM
-  steps of that solve, and the XLA temporaries of its compiled solve with and without the
-  analyses, on one device and on (2, 4);
+  steps of that solve, its compile with and without the analyses, and the XLA temporaries
+  of its solve compiled in a plain ``jax.jit`` without analyses, with FoF and kNN density,
+  and with M200m and peak centres too, on one device and on (2, 4);
 * the peak memory of each jaxpm_halos function, in a child process (max RSS above the
   process's RSS before the call), per particle, and XLA's temporaries.
 
