@@ -366,6 +366,36 @@ def test_ties_across_the_kth_distance_pick_the_lowest_ids():
     np.testing.assert_array_equal(np.asarray(dist), want_q[0].astype(np.float32))
 
 
+def test_the_scan_merges_every_list_some_candidate_can_enter():
+    """The scan's cheap test of which lists a chunk of candidates can change
+    (``_scan.may_enter``, plainly rounded distances) keeps every list whose last squared
+    distance some candidate's exact one (``distance2_columns``) reaches or beats: candidates
+    across the periodic seam, lists ending exactly at a candidate's distance, 1 ulp short
+    of it, lists not yet full, and distances small enough to underflow."""
+    from jaxpm_halos.knn._scan import distance2_columns, may_enter
+
+    rng = np.random.default_rng(0)
+    box, G, B, C = 64.0, 6, 16, 40
+    qs = rng.uniform(0, box, (G, B, 3)).astype(np.float32)
+    cand = rng.uniform(0, box, (G, C, 3)).astype(np.float32)
+    cand[0] = np.mod(qs[0, :1] + rng.normal(0, 1e-3, (C, 3)), box).astype(np.float32)
+    cand[1] = np.nextafter(qs[1, :1], np.float32(box)) * np.ones((C, 1), np.float32)
+    cand[2, :, 0] = np.float32(box) - cand[2, :, 0] * 1e-3  # across the seam from x ~ 0
+    qs[2, :, 0] *= 1e-3
+    live = rng.uniform(size=(G, C)) < 0.8
+    q_cols = tuple(jnp.asarray(qs[..., d][..., None]) for d in range(3))  # (G, B, 1)
+    c_cols = tuple(jnp.asarray(cand[..., d][:, None]) for d in range(3))  # (G, 1, C)
+    exact = np.asarray(distance2_columns(*q_cols, *c_cols, box))  # (G, B, C)
+    exact = np.where(live[:, None], exact, np.inf)
+    pick = np.take_along_axis(exact, rng.integers(0, C, (G, B, 1)), -1)[..., 0]
+    for last in (pick, np.nextafter(pick, np.float32(-np.inf)), np.full_like(pick, np.inf)):
+        want = np.any(exact <= last[..., None], axis=-1)
+        got = np.asarray(may_enter(q_cols, c_cols, jnp.asarray(live), jnp.asarray(last), box))
+        assert np.all(got[want]), np.argwhere(want & ~got)
+        near = np.any(exact <= last[..., None] * (1 + 2.0**-16), axis=-1)  # 512 ulps
+        assert not np.any(got & ~near)  # a margin of ulps, not of distances
+
+
 @pytest.mark.leg1
 def test_spheres_wider_than_the_ghost_layer_are_completed_across_devices(clustered):
     # A ghost layer far thinner than the k-th neighbour distance: almost every particle
