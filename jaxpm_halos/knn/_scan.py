@@ -152,9 +152,10 @@ def scan_group(
     here: self mode keeps ``k + 1`` and drops it at the end.
 
     The batches step side by side through their candidates, ``chunk`` at a time: each step
-    computes the distances from every query to its batch's next ``chunk`` rows and merges
-    them into the lists they would change (:func:`merge_where_needed`, ``merge_block``
-    lists at a time). Nodes come nearest first, so after the first step few lists change.
+    merges its batch's next ``chunk`` rows into the query lists (:func:`merge_where_needed`).
+    Where that is ``merge_block`` lists at a time (CPUs), only the lists some candidate can
+    enter are merged (:func:`may_enter`). Nodes come nearest first, so after the first
+    steps few lists change.
 
     Returns (G, B, kk) squared distances (ascending, inf where fewer were found) and sorted
     rows (``R`` where none).
