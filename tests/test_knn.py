@@ -371,8 +371,25 @@ def test_the_scan_merges_every_list_some_candidate_can_enter():
     (``_scan.may_enter``, plainly rounded distances) keeps every list whose last squared
     distance some candidate's exact one (``distance2_columns``) reaches or beats: candidates
     across the periodic seam, lists ending exactly at a candidate's distance, 1 ulp short
-    of it, lists not yet full, and distances small enough to underflow."""
+    of it, lists not yet full, and squares about float32's smallest normal number, below
+    which XLA flushes them to zero (in one form and not the other)."""
     from jaxpm_halos.knn._scan import distance2_columns, may_enter
+
+    # Compiled, as in the scan: XLA may then contract the plain squares into fused
+    # multiply-adds, whose products are not flushed to zero.
+    enter = jax.jit(lambda *args: may_enter(*args, box))
+
+    def check(qs, cand, live, lasts):  # (G, B, 3), (G, C, 3), (G, C), [(G, B)]
+        q_cols = tuple(jnp.asarray(qs[..., d][..., None]) for d in range(3))  # (G, B, 1)
+        c_cols = tuple(jnp.asarray(cand[..., d][:, None]) for d in range(3))  # (G, 1, C)
+        exact = np.asarray(distance2_columns(*q_cols, *c_cols, box))  # (G, B, C)
+        exact = np.where(live[:, None], exact, np.inf)
+        for last in lasts(exact):
+            want = np.any(exact <= last[..., None], axis=-1)
+            got = np.asarray(enter(q_cols, c_cols, jnp.asarray(live), jnp.asarray(last)))
+            assert np.all(got[want]), np.argwhere(want & ~got)
+            margin = last[..., None] * (1 + 2.0**-16) + 8 * np.finfo(np.float32).tiny
+            assert not np.any(got & ~np.any(exact <= margin, axis=-1))  # a margin of ulps
 
     rng = np.random.default_rng(0)
     box, G, B, C = 64.0, 6, 16, 40
@@ -383,17 +400,21 @@ def test_the_scan_merges_every_list_some_candidate_can_enter():
     cand[2, :, 0] = np.float32(box) - cand[2, :, 0] * 1e-3  # across the seam from x ~ 0
     qs[2, :, 0] *= 1e-3
     live = rng.uniform(size=(G, C)) < 0.8
-    q_cols = tuple(jnp.asarray(qs[..., d][..., None]) for d in range(3))  # (G, B, 1)
-    c_cols = tuple(jnp.asarray(cand[..., d][:, None]) for d in range(3))  # (G, 1, C)
-    exact = np.asarray(distance2_columns(*q_cols, *c_cols, box))  # (G, B, C)
-    exact = np.where(live[:, None], exact, np.inf)
-    pick = np.take_along_axis(exact, rng.integers(0, C, (G, B, 1)), -1)[..., 0]
-    for last in (pick, np.nextafter(pick, np.float32(-np.inf)), np.full_like(pick, np.inf)):
-        want = np.any(exact <= last[..., None], axis=-1)
-        got = np.asarray(may_enter(q_cols, c_cols, jnp.asarray(live), jnp.asarray(last), box))
-        assert np.all(got[want]), np.argwhere(want & ~got)
-        near = np.any(exact <= last[..., None] * (1 + 2.0**-16), axis=-1)  # 512 ulps
-        assert not np.any(got & ~near)  # a margin of ulps, not of distances
+    pick = lambda exact: np.take_along_axis(exact, rng.integers(0, C, (G, B, 1)), -1)[..., 0]
+    check(
+        qs,
+        cand,
+        live,
+        lambda exact: (
+            pick(exact),
+            np.nextafter(pick(exact), np.float32(-np.inf)),
+            np.full((G, B), np.inf, np.float32),
+        ),
+    )
+    # One candidate a list, 3e-19 from the query: 2% of these lists were missed with a
+    # margin of one smallest normal number.
+    tiny = rng.uniform(0, 3e-19, (2, 2000, 1, 3)).astype(np.float32)
+    check(tiny[0], tiny[1], np.ones((2000, 1), bool), lambda exact: (exact[..., 0],))
 
 
 @pytest.mark.leg1

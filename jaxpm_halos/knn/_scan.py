@@ -115,14 +115,16 @@ def may_enter(query, cand, live, last, box):
     The test uses plainly rounded squared distances, cheaper than the exact ones the
     merge compares (:func:`distance2_columns`: 14% off the accelerator path's kNN density
     on 8 CPU devices, where XLA otherwise computed the exact ones twice). Both come from
-    the same differences and round at most four times, so they differ by a few ulps; a
-    margin of 64 ulps (and the smallest normal number, for underflow) keeps every list
-    the exact test would keep. ``query`` and ``cand`` are (x, y, z) arrays (G, B, 1) and
+    the same differences and round at most four times, so they differ by a few ulps: the
+    margin is 64 ulps. XLA also flushes squares below the smallest normal number to zero,
+    and may flush one form's and not the other's (a fused multiply-add keeps its
+    product), so each of the three squares may differ by up to that number too: the
+    margin adds four times it. ``query`` and ``cand`` are (x, y, z) arrays (G, B, 1) and
     (G, 1, C)."""
     dx, dy, dz = (periodic_delta(a, b, box) for a, b in zip(query, cand))
     approx = dx * dx + dy * dy + dz * dz  # (G, B, C)
     info = jnp.finfo(approx.dtype)
-    bound = last * (1 + 64 * info.eps) + info.tiny  # inf for lists not yet full
+    bound = last * (1 + 64 * info.eps) + 4 * info.tiny  # inf for lists not yet full
     return jnp.any(live[:, None] & (approx <= bound[..., None]), axis=-1)
 
 
