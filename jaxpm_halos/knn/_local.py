@@ -48,6 +48,7 @@ class SearchSettings(NamedTuple):
     plan_batches: int  # most batches planned per planning step (and PLAN_GROUPS groups)
     chunk: int  # candidates per step
     merge_block: int  # lists merged together when few of a group's change (all: P)
+    top_k_limit: int | None  # the most one lax.top_k call selects (None: any number)
     tree: bool  # the first pass from the host k-d tree (:mod:`._tree`), not the scan
     radius_factor: float
     gap: float  # a batch ends at a gap this wide between consecutive queries
@@ -249,7 +250,7 @@ def _search_group(search: LocalSearch, state: SearchState, slot_query, scale: fl
     q, rho_q = search.batch_queries(slot_query, state.radius)  # (G, B, ...)
     region = search.plan(q, rho_q)
     d2, rows = scan_group(
-        index, search.frame, q, region, s.kk, s.chunk, s.merge_block
+        index, search.frame, q, region, s.kk, s.chunk, s.merge_block, s.top_k_limit
     )  # (G, B, kk)
     P = slot_query.size
     d2, rows = d2.reshape(P, s.kk), rows.reshape(P, s.kk)

@@ -81,9 +81,12 @@ class OwnedChunks(NamedTuple):
         )
 
 
-def _search_block(index: Index, box: float, chunks: OwnedChunks, block_pos, reach, kk: int):
+def _search_block(
+    index: Index, box: float, chunks: OwnedChunks, block_pos, reach, kk: int, top_k_limit
+):
     """The kk nearest owned rows of queries at ``block_pos`` (Bq, 3) within ``reach`` (Bq,) (-1 for
-    an empty slot), over the chunks their spheres reach. Returns (Bq, kk) d2 and rows."""
+    an empty slot), over the chunks their spheres reach. Returns (Bq, kk) d2 and rows.
+    ``top_k_limit``: as :func:`~._scan.merge_nearest`'s."""
     R = index.rows
     gaps = [
         interval_gap(block_pos[:, None, d], chunks.lo[None, :, d], chunks.hi[None, :, d], box)
@@ -107,6 +110,7 @@ def _search_block(index: Index, box: float, chunks: OwnedChunks, block_pos, reac
             jnp.where(ok, d2, jnp.inf),
             rows,
             lambda r: index.id(jnp.minimum(r, R - 1)),
+            top_k_limit,
         )
 
     B = block_pos.shape[0]
@@ -125,6 +129,7 @@ def remote_search(
     bound2,
     kk: int,
     block: int,
+    top_k_limit: int | None,
 ):
     """The ``kk`` nearest owned particles of this device for every device's remote queries
     ``query_pos`` (Q, 3) (``query_id`` -3 for none) within ``sqrt(bound2)`` (Q,). Only the queries
@@ -150,7 +155,13 @@ def remote_search(
         picked = lax.dynamic_slice_in_dim(todo, b * block, block)  # (Bq,)
         safe = jnp.clip(picked, 0, Q - 1)
         d2, rows = _search_block(
-            index, box, chunks, query_pos[safe], jnp.where(picked < Q, reach[safe], -1), kk
+            index,
+            box,
+            chunks,
+            query_pos[safe],
+            jnp.where(picked < Q, reach[safe], -1),
+            kk,
+            top_k_limit,
         )
         return b + 1, out_d2.at[picked].set(d2), out_row.at[picked].set(rows)
 
@@ -228,6 +239,7 @@ def complete_remote(
     kept: int,
     capacity: int,
     chunk: int,
+    top_k_limit: int | None,
     self_mode: bool,
 ) -> RemoteAnswers:
     """Search the queries of ``status == REMOTE`` (at most ``capacity``) on every device
@@ -258,6 +270,7 @@ def complete_remote(
             gathered[2].reshape(-1),
             kk,
             min(64, D * capacity),
+            top_k_limit,
         )
 
     none = lambda _: (

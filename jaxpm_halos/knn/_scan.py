@@ -46,11 +46,32 @@ def _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of):
     return d2[..., :kk], rows[..., :kk]
 
 
-def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of):
+def largest(x, n: int, top_k_limit: int | None):
+    """``lax.top_k(x, n)`` of rows ``x`` (P, W) by calls that each take at most ``top_k_limit``
+    (None: one call), each after the positions taken before it are set to -inf.
+
+    XLA:GPU selects with its top-k kernel only when k <= 16 and rows hold at least 1024
+    values (its ``TopkSpecializer``), and otherwise sorts every row. Where a row has fewer
+    than ``n`` values above -inf, the positions returned with -inf may repeat."""
+    if top_k_limit is None or n <= top_k_limit:
+        return lax.top_k(x, n)
+    lists = jnp.arange(x.shape[0])[:, None]
+    values, picks = [], []
+    for start in range(0, n, top_k_limit):
+        if picks:
+            x = x.at[lists, picks[-1]].set(-jnp.inf)
+        v, p = lax.top_k(x, min(top_k_limit, n - start))  # (P, <= top_k_limit)
+        values.append(v)
+        picks.append(p)
+    return jnp.concatenate(values, axis=-1), jnp.concatenate(picks, axis=-1)
+
+
+def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of, top_k_limit: int | None = None):
     """The ``kk`` nearest by (squared distance, global id) of running lists ``(P, kk)``
     (ascending squared distances and their rows) and candidates ``(P, C)`` (inf where
     absent) with rows ``(C,)`` (shared by every list) or ``(P, C)``, in ascending order of
-    distance; ``id_of`` maps rows to global ids (absent rows included).
+    distance; ``id_of`` maps rows to global ids (absent rows included). ``top_k_limit``:
+    the most one ``lax.top_k`` call selects (:func:`largest`).
 
     Which of equal distances a list keeps must not depend on the order candidates are
     scanned in (it differs between meshes), so selection is by (distance, id): ``top_k``
@@ -60,7 +81,7 @@ def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of):
     """
     kk = run_d2.shape[-1]
     # The running list goes first: top_k then starts from a good heap and is cheap.
-    vals, pick = lax.top_k(jnp.concatenate([-run_d2, -cand_d2], axis=-1), kk + 1)  # (P, kk+1)
+    vals, pick = largest(jnp.concatenate([-run_d2, -cand_d2], axis=-1), kk + 1, top_k_limit)
     # Both outputs are used whole and cut afterwards: used in parts of different widths,
     # they make XLA:CPU lower top_k to a full sort of every row (8x slower kNN).
     d2, rows = -vals, _take_merged(run_row, cand_row, pick)
@@ -72,12 +93,15 @@ def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of):
     )
 
 
-def merge_where_needed(run_d2, run_row, distances, cand_row, id_of, wanted, block: int):
+def merge_where_needed(
+    run_d2, run_row, distances, cand_row, id_of, wanted, block: int, top_k_limit: int | None
+):
     """:func:`merge_nearest` of the lists ``(P, kk)`` with their candidates (rows ``(P, C)``),
     computed only for the ``wanted`` (P,) lists, ``block`` lists at a time, or for all at
     once when most are wanted (or when ``block >= P``). ``distances(lists)`` gives the
     candidates' squared distances (m, C) from the lists ``lists`` (m,), or (P, C) from
-    every list for None: only the lists merged need them.
+    every list for None: only the lists merged need them. ``top_k_limit``: as
+    :func:`merge_nearest`'s.
 
     The caller leaves out of ``wanted`` the lists that no candidate can enter
     (:func:`may_enter`). After the first candidates most lists are final, and the merge
@@ -86,7 +110,7 @@ def merge_where_needed(run_d2, run_row, distances, cand_row, id_of, wanted, bloc
     P = run_d2.shape[0]
 
     def all_lists():
-        d2, row = merge_nearest(run_d2, run_row, distances(None), cand_row, id_of)
+        d2, row = merge_nearest(run_d2, run_row, distances(None), cand_row, id_of, top_k_limit)
         return jnp.where(wanted[:, None], d2, run_d2), jnp.where(wanted[:, None], row, run_row)
 
     if block >= P:
@@ -98,7 +122,9 @@ def merge_where_needed(run_d2, run_row, distances, cand_row, id_of, wanted, bloc
             d2, row = lists
             take = lax.dynamic_slice_in_dim(pick, i * block, block)  # (block,)
             safe = jnp.minimum(take, P - 1)
-            m_d2, m_row = merge_nearest(d2[safe], row[safe], distances(safe), cand_row[safe], id_of)
+            m_d2, m_row = merge_nearest(
+                d2[safe], row[safe], distances(safe), cand_row[safe], id_of, top_k_limit
+            )
             return (d2.at[take].set(m_d2, mode="drop"), row.at[take].set(m_row, mode="drop"))
 
         blocks = (count + block - 1) // block
@@ -148,6 +174,7 @@ def scan_group(
     kk: int,
     chunk: int,
     merge_block: int,
+    top_k_limit: int | None,
 ):
     """The ``kk`` nearest rows of each query of G batches of B queries (``q`` (G, B, ...))
     among its batch's region rows (``region`` (G, ...)); a query's own row is not excluded
@@ -157,7 +184,7 @@ def scan_group(
     merges its batch's next ``chunk`` rows into the query lists (:func:`merge_where_needed`).
     Where that is ``merge_block`` lists at a time (CPUs), only the lists some candidate can
     enter are merged (:func:`may_enter`). Nodes come nearest first, so after the first
-    steps few lists change.
+    steps few lists change. ``top_k_limit``: as :func:`merge_nearest`'s.
 
     Returns (G, B, kk) squared distances (ascending, inf where fewer were found) and sorted
     rows (``R`` where none).
@@ -202,7 +229,7 @@ def scan_group(
             wanted = valid & may_enter((qx, qy, qz), cand, live, last, box).reshape(P)
         rows = jnp.broadcast_to(row[:, None], (G, B, chunk)).reshape(P, chunk)
         run_d2, run_row = merge_where_needed(
-            run_d2, run_row, distances, rows, id_of, wanted, merge_block
+            run_d2, run_row, distances, rows, id_of, wanted, merge_block, top_k_limit
         )
         return t0 + chunk, run_d2, run_row
 
