@@ -15,6 +15,9 @@ of several runs of:
   neighbour (jz-tree counts the particle itself, so it is asked for k + 1);
 * one PM step (a JaxPM force evaluation) and in-situ FoF + kNN density (k = 16), as a ratio.
 
+First it records what XLA compiles ``lax.top_k`` to on the card (its top-k kernel or a sort
+of every row) for the merge shapes kNN has used, with their times.
+
 Correctness: jaxpm_halos' labels are compared with scipy's (``cKDTree.query_pairs`` +
 ``connected_components``, run on the host) and its densities with cKDTree's, and the
 particles whose label differs and the largest relative density difference are recorded
@@ -191,8 +194,7 @@ SWEEP = (
     (4096, 16, 256),
     (1024, 8, 256),
     (1024, 32, 256),
-    (1024, 16, 128),
-    (1024, 16, 512),
+    (1024, 16, 2048),  # merge rows of 2048 values (every chunk_size below 1008: 1024)
 )
 
 
@@ -236,6 +238,28 @@ def pm_and_insitu(nc, y, rows):
         dict(size=nc, kind="in situ", n=nc**3, pm_step=t_pm, insitu=warm, insitu_first=first)
     )
     print(json.dumps(rows[-1]), flush=True)
+
+
+def top_k_lowering(rows, lists=16384):
+    """What XLA makes of ``lax.top_k`` on this GPU: for rows of several widths and several
+    k, whether the compiled program calls the top-k kernel (``__gpu$TopK``) or sorts, and
+    the warm time of selecting from ``lists`` rows."""
+    for width, k in ((64, 16), (273, 18), (1024, 2), (1024, 16), (1024, 17), (1024, 18)):
+        x = jax.random.uniform(jax.random.key(0), (lists, width))
+        fn = jax.jit(lambda x, k=k: jax.lax.top_k(x, k))
+        hlo = fn.lower(x).compile().as_text()
+        rows.append(
+            dict(
+                kind="top_k",
+                lists=lists,
+                width=width,
+                k=k,
+                kernel="__gpu$TopK" in hlo,
+                sorts=len(re.findall(r"\bsort\(", hlo)),
+                seconds=min_time(lambda: jax.block_until_ready(fn(x)))[0],
+            )
+        )
+        print(json.dumps(rows[-1]), flush=True)
 
 
 def top_kernels(fn, args, log_dir, top=6):
@@ -310,6 +334,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     print(jax.devices(), jax.__version__, flush=True)
     rows = []
+    top_k_lowering(rows)
     for nc in args.sizes:
         y = snapshot(nc)
         profile = Path(args.profile) if args.profile and nc == max(args.sizes) else None

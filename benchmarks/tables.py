@@ -368,7 +368,7 @@ def gpu_lines(rows, card):
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if r["kind"] == "in situ":
+        if r["kind"] in ("in situ", "top_k"):
             continue
         fof, jz_fof, knn, jz_knn = (r.get(k) for k in ("fof", "jz_fof", "knn", "jz_knn"))
         lines.append(

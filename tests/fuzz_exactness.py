@@ -3,6 +3,7 @@
     python tests/fuzz_exactness.py --seeds 20          # about 50 min on 2 cores
     python tests/fuzz_exactness.py --seeds 20 --search scan   # the accelerator path
     python tests/fuzz_exactness.py --seeds 20 --search scan --knn-only   # its kNN alone
+    python tests/fuzz_exactness.py --seeds 20 --as-gpu --knn-only   # with a GPU's settings
 
 Each seed draws clumps on pencil faces, edges and box corners (widths from 0.01 to 2.5
 linking lengths), chains spaced 0.9 l that may cross the whole box, runs of exact
@@ -173,6 +174,12 @@ def main(argv=None):
         help="only the kNN checks (against cKDTree and across meshes): a kNN change's campaign",
     )
     parser.add_argument(
+        "--as-gpu",
+        action="store_true",
+        help="the settings kNN picks on a GPU (merge rows, top_k calls), traced on the CPU, "
+        "with 64 batches per step (a GPU's 1024 can exceed XLA:CPU's wait between collectives)",
+    )
+    parser.add_argument(
         "--paste",
         action="store_true",
         help="grow=False, pasting each suggestion instead of growing",
@@ -186,6 +193,11 @@ def main(argv=None):
     thresholds = {"200": 200 * mean, "1000": 1000 * mean}
     failures = grown = 0
     knn_config = jh.KNNConfig(search=args.search)
+    if args.as_gpu:
+        from jaxpm_halos.knn import _search
+
+        _search._backend = lambda: "gpu"
+        knn_config = jh.KNNConfig(search="scan", group_size=64)
 
     def call(run, config):
         nonlocal grown

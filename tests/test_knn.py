@@ -365,6 +365,46 @@ def test_ties_across_the_kth_distance_pick_the_lowest_ids():
     np.testing.assert_array_equal(np.asarray(dist), want_q[0].astype(np.float32))
 
 
+@pytest.mark.parametrize("top_k_limit", [None, 16])
+def test_the_merge_keeps_the_nearest_by_distance_then_id(top_k_limit):
+    """:func:`merge_nearest` keeps each list's kk smallest (squared distance, id) of its
+    running list and candidates, against numpy: 300 lists (more than ``TIE_BLOCK``, so
+    tied lists are redone in blocks, the last one clamped) whose distances are small
+    integers, most tied at the kk-th, some not; with one ``top_k`` and with calls of at
+    most 16 (a GPU's), over rows of 1024 values, candidates shared by every list and not."""
+    from jaxpm_halos.knn._scan import TIE_BLOCK, merge_nearest
+
+    rng = np.random.default_rng(5)
+    lists, kk, C, R = 300, 17, 1007, 5000
+    ids = rng.permutation(R).astype(np.int32)  # row -> global id
+    run_d2 = np.sort(rng.integers(0, 6, (lists, kk)), axis=1).astype(np.float32)
+    run_row = rng.integers(0, R, (lists, kk)).astype(np.int32)
+    cand_d2 = rng.integers(0, 9, (lists, C)).astype(np.float32)
+    untied = rng.random(lists) < 0.3  # all candidates beyond the list: no tie at its end
+    cand_d2[untied] = 100 + rng.permutation(C).astype(np.float32)
+    cand_d2[rng.random((lists, C)) < 0.05] = np.inf
+    run_d2[:7, 12:] = np.inf  # lists not yet full
+    cand_d2[:7] = np.inf
+    shared = rng.integers(0, R, C).astype(np.int32)
+    merge = jax.jit(
+        lambda a, b, c, d: merge_nearest(a, b, c, d, lambda r: jnp.asarray(ids)[r], top_k_limit)
+    )
+    for cand_row in (rng.integers(0, R, (lists, C)).astype(np.int32), shared):
+        d2, rows = map(np.asarray, merge(run_d2, run_row, cand_d2, cand_row))
+        all_d2 = np.concatenate([run_d2, cand_d2], axis=1)
+        all_id = ids[np.concatenate([run_row, np.broadcast_to(cand_row, cand_d2.shape)], 1)]
+        order = np.lexsort((all_id, all_d2), axis=1)[:, :kk]
+        want_d2 = np.take_along_axis(all_d2, order, 1)
+        np.testing.assert_array_equal(d2, want_d2)
+        found = np.isfinite(want_d2)
+        want_id = np.take_along_axis(all_id, order, 1)
+        got = np.where(found, ids[rows], -1)
+        for i in range(lists):  # order among equal distances is free: compare as sets
+            assert sorted(got[i]) == sorted(np.where(found[i], want_id[i], -1)), i
+    tied = ~untied & (want_d2[:, -1] == np.sort(all_d2, 1)[:, kk])
+    assert np.sum(tied) > TIE_BLOCK  # several blocks
+
+
 def test_the_scan_merges_every_list_some_candidate_can_enter():
     """The scan's cheap test of which lists a chunk of candidates can change
     (``_scan.may_enter``, plainly rounded distances) keeps every list whose last squared

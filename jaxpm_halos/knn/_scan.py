@@ -17,6 +17,9 @@ from ._frame import Index, SearchFrame, in_frame
 from ._region import Queries, Region
 
 int32 = jnp.int32
+# Lists redone at a time where a merge meets a tie: ties are rare, and a GPU step merges
+# thousands of lists, whose full sort (rows of 1024 values) would cost many steps.
+TIE_BLOCK = 128
 
 
 def distance2_columns(ax, ay, az, bx, by, bz, box):
@@ -44,6 +47,26 @@ def _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of):
     rows = jnp.concatenate([run_row, jnp.broadcast_to(cand_row, cand_d2.shape)], axis=-1)
     d2, _, rows = lax.sort((d2, id_of(rows), rows), dimension=d2.ndim - 1, num_keys=2)
     return d2[..., :kk], rows[..., :kk]
+
+
+def _redo_tied(tied, d2, rows, run_d2, run_row, cand_d2, cand_row, id_of):
+    """Merged lists ``d2``, ``rows`` (P, kk) with the ``tied`` (P,) ones redone by
+    :func:`_nearest_by_id`, all at once up to ``TIE_BLOCK`` lists and otherwise
+    ``TIE_BLOCK`` tied lists at a time."""
+    P = d2.shape[0]
+    if P <= TIE_BLOCK:
+        return _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of)
+    pick, count = selection(tied, P)  # (P,) the tied lists, P past the end
+
+    def redo_block(i, lists):
+        # The last block's start is clamped to fit: lists redone twice come out the same.
+        take = lax.dynamic_slice_in_dim(pick, i * TIE_BLOCK, TIE_BLOCK)  # (TIE_BLOCK,)
+        safe = jnp.minimum(take, P - 1)
+        c_row = cand_row if cand_row.ndim == 1 else cand_row[safe]
+        redone = _nearest_by_id(run_d2[safe], run_row[safe], cand_d2[safe], c_row, id_of)
+        return tuple(a.at[take].set(b, mode="drop") for a, b in zip(lists, redone))
+
+    return control.fori_loop(0, (count + TIE_BLOCK - 1) // TIE_BLOCK, redo_block, (d2, rows))
 
 
 def largest(x, n: int, top_k_limit: int | None):
@@ -76,7 +99,7 @@ def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of, top_k_limit: int | 
     Which of equal distances a list keeps must not depend on the order candidates are
     scanned in (it differs between meshes), so selection is by (distance, id): ``top_k``
     takes one more than the list holds, and only when the last kept and the first dropped
-    are equal is the step redone by a sort on both keys. Each step so keeps the ``kk``
+    are equal is that list redone by a sort on both keys. Each step so keeps the ``kk``
     smallest (distance, id) of everything seen.
     """
     kk = run_d2.shape[-1]
@@ -86,10 +109,11 @@ def merge_nearest(run_d2, run_row, cand_d2, cand_row, id_of, top_k_limit: int | 
     # they make XLA:CPU lower top_k to a full sort of every row (8x slower kNN).
     d2, rows = -vals, _take_merged(run_row, cand_row, pick)
     tied = (d2[..., kk - 1] == d2[..., kk]) & jnp.isfinite(d2[..., kk])
+    kept = lambda: (d2[..., :kk], rows[..., :kk])
     return control.cond(
         jnp.any(tied),
-        lambda: _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of),
-        lambda: (d2[..., :kk], rows[..., :kk]),
+        lambda: _redo_tied(tied, *kept(), run_d2, run_row, cand_d2, cand_row, id_of),
+        kept,
     )
 
 
