@@ -1,7 +1,7 @@
 """XLA temporaries of kNN and FoF (per device x devices, per particle) from ``memory_analysis``.
 
     python benchmarks/knn_memory.py [--nc 64] [--k 16] [--what density neighbours fof]
-        [--top 12] [--search auto|tree|scan] [--abstract] [--devices 1]
+        [--top 12] [--search auto|tree|scan] [--abstract] [--devices 1] [--as-gpu]
 
 Compiles ``knn_density`` (``knn`` returning full lists, FoF with b = 0.2 and 20 members) on
 a JaxPM z = 0 snapshot, mesh (2, 4) of 8 CPU devices (or unsharded on one device with
@@ -10,6 +10,8 @@ temporary bytes per particle:
 as the call compiles it outside ``jit`` (with the library's compiler options) and inside a
 plain ``jax.jit`` (XLA's defaults).
 ``--top`` lists the largest buffers of the compiled program (from its buffer assignment).
+``--as-gpu`` compiles kNN with the settings it picks on a GPU (XLA:CPU still compiles it:
+the figures estimate a GPU's).
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ def main(argv=None):
         "displacement grid (shapes are all the compiled program needs)",
     )
     parser.add_argument("--devices", type=int, default=8, choices=(1, 8))
+    parser.add_argument("--as-gpu", action="store_true", help="kNN with a GPU's settings")
     args = parser.parse_args(argv)
+    if args.as_gpu:
+        from jaxpm_halos.knn import _search
+
+        _search._backend = lambda: "gpu"
     if args.devices == 1 and not args.abstract:
         parser.error("--devices 1 compiles from shapes only: add --abstract")
     sharding = None if args.devices == 1 else NamedSharding(make_mesh((2, 4)), P("x", "y"))

@@ -82,7 +82,13 @@ class OwnedChunks(NamedTuple):
 
 
 def _search_block(
-    index: Index, box: float, chunks: OwnedChunks, block_pos, reach, kk: int, top_k_limit
+    index: Index,
+    box: float,
+    chunks: OwnedChunks,
+    block_pos,
+    reach,
+    kk: int,
+    top_k_limit: int | None,
 ):
     """The kk nearest owned rows of queries at ``block_pos`` (Bq, 3) within ``reach`` (Bq,) (-1 for
     an empty slot), over the chunks their spheres reach. Returns (Bq, kk) d2 and rows.
