@@ -128,7 +128,9 @@ class KNNConfig:
       batch_size: queries searched together; each batch of spatially consecutive queries
         shares one set of candidate rows.
       chunk_size: candidates per step, merged into the running k nearest of the queries
-        they come nearer to.
+        they come nearer to. On GPUs a merge row (the running list and the chunk) is made
+        a power of two of at least 1024 values, the rows XLA's top-k kernel takes (fewer
+        are sorted).
       group_size: batches processed side by side in one step (vectorised). Queries searched
         again (their k-th neighbour lay beyond the first search) are scattered: they go in
         batches of at most 4, with ``batch_size * group_size`` queries per step. ``None``
