@@ -49,6 +49,23 @@ def _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of):
     return d2[..., :kk], rows[..., :kk]
 
 
+def update_selected(pick, count, block: int, new_values, arrays):
+    """``arrays`` (P, ...) with their rows ``pick[:count]`` replaced by ``new_values(rows)``
+    of rows (block,), ``block`` rows at a time (``pick``, ``count``: a
+    :func:`~jaxpm_halos.core.rows.selection` of P rows).
+
+    The last block's start is clamped to fit, so a row may be computed twice: as both
+    computations read the rows given, never the updated ones, they give the same values."""
+    P = pick.shape[0]
+
+    def update_block(i, out):
+        take = lax.dynamic_slice_in_dim(pick, i * block, block)  # (block,)
+        new = new_values(jnp.minimum(take, P - 1))
+        return tuple(a.at[take].set(b, mode="drop") for a, b in zip(out, new))
+
+    return control.fori_loop(0, (count + block - 1) // block, update_block, tuple(arrays))
+
+
 def _redo_tied(tied, d2, rows, run_d2, run_row, cand_d2, cand_row, id_of):
     """Merged lists ``d2``, ``rows`` (P, kk) with the ``tied`` (P,) ones redone by
     :func:`_nearest_by_id`, all at once up to ``TIE_BLOCK`` lists and otherwise
@@ -56,17 +73,12 @@ def _redo_tied(tied, d2, rows, run_d2, run_row, cand_d2, cand_row, id_of):
     P = d2.shape[0]
     if P <= TIE_BLOCK:
         return _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of)
-    pick, count = selection(tied, P)  # (P,) the tied lists, P past the end
 
-    def redo_block(i, lists):
-        # The last block's start is clamped to fit: lists redone twice come out the same.
-        take = lax.dynamic_slice_in_dim(pick, i * TIE_BLOCK, TIE_BLOCK)  # (TIE_BLOCK,)
-        safe = jnp.minimum(take, P - 1)
-        c_row = cand_row if cand_row.ndim == 1 else cand_row[safe]
-        redone = _nearest_by_id(run_d2[safe], run_row[safe], cand_d2[safe], c_row, id_of)
-        return tuple(a.at[take].set(b, mode="drop") for a, b in zip(lists, redone))
+    def redo(lists):  # (TIE_BLOCK,)
+        c_row = cand_row if cand_row.ndim == 1 else cand_row[lists]
+        return _nearest_by_id(run_d2[lists], run_row[lists], cand_d2[lists], c_row, id_of)
 
-    return control.fori_loop(0, (count + TIE_BLOCK - 1) // TIE_BLOCK, redo_block, (d2, rows))
+    return update_selected(*selection(tied, P), TIE_BLOCK, redo, (d2, rows))
 
 
 def largest(x, n: int, top_k_limit: int | None):
@@ -141,19 +153,11 @@ def merge_where_needed(
         return all_lists()
     pick, count = selection(wanted, P)  # (P,) the lists to merge, P past the end
 
-    def some():
-        def merge_block(i, lists):
-            d2, row = lists
-            take = lax.dynamic_slice_in_dim(pick, i * block, block)  # (block,)
-            safe = jnp.minimum(take, P - 1)
-            m_d2, m_row = merge_nearest(
-                d2[safe], row[safe], distances(safe), cand_row[safe], id_of, top_k_limit
-            )
-            return (d2.at[take].set(m_d2, mode="drop"), row.at[take].set(m_row, mode="drop"))
+    def merge_some(lists):  # (block,)
+        d2, rows = run_d2[lists], run_row[lists]
+        return merge_nearest(d2, rows, distances(lists), cand_row[lists], id_of, top_k_limit)
 
-        blocks = (count + block - 1) // block
-        return control.fori_loop(0, blocks, merge_block, (run_d2, run_row))
-
+    some = lambda: update_selected(pick, count, block, merge_some, (run_d2, run_row))
     return control.cond(count > P // 2, all_lists, some)
 
 
