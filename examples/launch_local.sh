@@ -5,7 +5,8 @@
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 port="${PORT:-$("${PYTHON:-python}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}"
-export XLA_FLAGS="--xla_force_host_platform_device_count=4" JAX_PLATFORMS=cpu
+# Four host CPU devices per process (the last count XLA reads wins); other flags are kept.
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4" JAX_PLATFORMS=cpu
 pids=()
 for rank in 0 1; do
     "${PYTHON:-python}" "$here/multihost_run.py" --coordinator "localhost:$port" --num-processes 2 \

@@ -13,15 +13,38 @@ from jaxpm_halos.testing import make_mesh  # noqa: E402, F401 (the tests import 
 MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]
 
 
+ALL_MESHES = MESH_SHAPES + [(1, 1)]
 LEG2_MESHES = ((8, 1), (2, 4), (1, 1))
+# Where CI checks a quantity derived from the exact kernels (a smooth mass, a CDF, a merger
+# link): many devices and one. The kernels' own tests check every mesh in CI.
+CI_MESHES = ((2, 4), (1, 1))
 
 
-def mesh_params(shapes):
+def mesh_id(shape):
+    return f"mesh{shape[0]}x{shape[1]}"
+
+
+def mesh_params(shapes, ci=None):
     """``shapes`` as pytest parameters, those not in ``LEG2_MESHES`` marked ``leg1``:
     .ci/run's leg 2 (the newest jax) runs a mesh-parametrised test marked ``newest`` on a
     mesh with an axis of size 1 (its own code path), on (2, 4) and on one device; leg 1
-    checks the invariance over every mesh."""
-    return [s if s in LEG2_MESHES else pytest.param(s, marks=pytest.mark.leg1) for s in shapes]
+    checks the invariance over every mesh. With ``ci`` (shapes), those not in it are also
+    marked ``slow``: CI runs the test on ``ci`` alone, and ``-m slow`` on the others."""
+    params = []
+    for s in shapes:
+        marks = [] if s in LEG2_MESHES else [pytest.mark.leg1]
+        if ci is not None and s not in ci:
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(s, marks=marks))
+    return params
+
+
+def on_ci_meshes():
+    """Parametrises a test's ``mesh`` fixture over every mesh, CI running it on
+    ``CI_MESHES`` alone (:func:`mesh_params`)."""
+    return pytest.mark.parametrize(
+        "mesh", mesh_params(ALL_MESHES, ci=CI_MESHES), ids=mesh_id, indirect=True
+    )
 
 
 # The JaxPM stack (pinned in pyproject.toml) is optional for the core package: without it,
@@ -56,9 +79,7 @@ def _release_compiled_programs():
     gc.collect()
 
 
-@pytest.fixture(
-    scope="session", params=mesh_params(MESH_SHAPES + [(1, 1)]), ids=lambda s: f"mesh{s[0]}x{s[1]}"
-)
+@pytest.fixture(scope="session", params=mesh_params(ALL_MESHES), ids=mesh_id)
 def mesh(request):
     return make_mesh(request.param)
 

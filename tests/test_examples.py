@@ -37,7 +37,12 @@ def assert_same_run(a, b):
 
 
 def test_single_and_two_process_runs_write_the_same_directory(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script's 8 devices
+    # Both runs compile as this process does (the same XLA flags but the device count, e.g.
+    # .ci/run's optimisation level, which halves their compile time): the script's 8
+    # devices, then launch_local.sh's 4 per process.
+    count = "--xla_force_host_platform_device_count"
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count))
+    env = dict(os.environ, XLA_FLAGS=flags)
     out = run(
         [sys.executable, "examples/insitu_run.py", *SMALL, "--out", str(tmp_path / "one")], env
     )
@@ -45,6 +50,6 @@ def test_single_and_two_process_runs_write_the_same_directory(tmp_path):
     one = jaxpm_halos.load_run(tmp_path / "one")
     assert len(one.catalogue(-1)) > 20 and "m200m" in one.catalogue(-1)
     launch = ["bash", "examples/launch_local.sh", *SMALL, "--out", str(tmp_path / "two")]
-    out = run(launch, dict(os.environ, PYTHON=sys.executable))
+    out = run(launch, dict(env, PYTHON=sys.executable))
     assert out.count("wrote") == 1  # process 0 writes and reports
     assert_same_run(one, jaxpm_halos.load_run(tmp_path / "two"))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES, make_mesh, mesh_params
+from conftest import MESH_SHAPES, make_mesh, mesh_id, mesh_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from scipy.spatial import cKDTree
@@ -248,7 +248,7 @@ def test_a_tree_library_too_old_or_missing_is_not_used():
     assert not tree._usable("no_such_tree_library")
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (1, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=[(2, 4)]), ids=mesh_id)
 def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monkeypatch, shape):
     """Under ``vmap`` the host tree's primitive is batched as a loop of its calls, one per
     element and device; the batch must give each element's own densities, bit for bit,

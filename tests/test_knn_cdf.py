@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, mesh_params
+from conftest import make_mesh, mesh_id, mesh_params, on_ci_meshes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from scipy.spatial import cKDTree
@@ -153,6 +153,7 @@ DIRECTIONS = _clean_directions(POS, QUERY, BOX, RANKS, moved=256)
 
 
 @pytest.mark.newest
+@on_ci_meshes()
 def test_hard_and_smooth_cdfs_match_the_references_on_every_mesh(mesh):
     pos, query = _shard(mesh, POS), _shard(mesh, QUERY)
     cdf, status = knn_cdf(pos, query, RADII, k=RANKS, box_size=BOX, with_status=True)
@@ -181,6 +182,7 @@ def test_other_ranks_and_replicated_queries_in_any_leading_shape():
 
 
 @pytest.mark.newest
+@on_ci_meshes()
 def test_gradient_matches_finite_differences(mesh):
     pos, query = _shard(mesh, POS), _shard(mesh, QUERY)
 
@@ -368,7 +370,7 @@ def test_insitu_cdf_is_the_same_on_every_mesh(registered, insitu_reference, shap
 
 
 @pytest.mark.newest
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)]), ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=[(2, 4)]), ids=mesh_id)
 def test_insitu_gradient_matches_finite_differences(registered, shape):
     insitu = jh.InSitu(box_size=INSITU_BOX, analyses=registered[1:])
     y = _state(make_mesh(shape))

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, requires_jaxpm
+from conftest import make_mesh, mesh_id, mesh_params, on_ci_meshes, requires_jaxpm
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,6 +40,7 @@ def _smooth(pos, centres, h, mass=1.0):
 
 
 @pytest.mark.newest
+@on_ci_meshes()
 def test_smooth_masses_equal_the_definition_and_the_hard_limit(layout, mesh):
     x = _put(mesh, layout)
     _, hard = jh.spherical_overdensity(x, CENTRES, box_size=BOX, density=RHO)
@@ -65,6 +66,7 @@ def assert_derivative(ad, moved, eps=1e-6, rtol=1e-3):
 
 
 @pytest.mark.newest
+@on_ci_meshes()
 def test_smooth_mass_derivatives_equal_finite_differences(layout, mesh):
     """The derivative of each centre's mass along random directions of the positions and
     the centres, and with respect to the mass, against differences of the float64
@@ -151,7 +153,7 @@ def _chain_reference(disp, labels, ids, weights, snap, density, mass, h):
 
 @pytest.mark.newest
 @requires_jaxpm
-@pytest.mark.parametrize("shape", [(2, 4), pytest.param((1, 1), marks=pytest.mark.leg1)])
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=[(2, 4)]), ids=mesh_id)
 def test_insitu_smooth_masses_differentiate_like_their_definition(jaxpm_snapshot_32, shape):
     """d(sum w m200m) / d(displacement) of InSitu's catalogue (so_smoothing) along a random
     direction equals differences of the float64 chain (frozen membership, centres of
