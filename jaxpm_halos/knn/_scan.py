@@ -50,9 +50,9 @@ def _nearest_by_id(run_d2, run_row, cand_d2, cand_row, id_of):
 
 
 def update_selected(pick, count, block: int, new_values, arrays):
-    """``arrays`` (P, ...) with their rows ``pick[:count]`` replaced by ``new_values(rows)``
-    of rows (block,), ``block`` rows at a time (``pick``, ``count``: a
-    :func:`~jaxpm_halos.core.rows.selection` of P rows).
+    """``arrays`` (P, ...) with the rows ``pick[:count]`` replaced, ``block`` at a time, by
+    ``new_values(rows)`` for rows (block,) (``pick``, ``count``: a
+    :func:`~jaxpm_halos.core.rows.selection` of the P rows).
 
     The last block's start is clamped to fit, so a row may be computed twice: as both
     computations read the rows given, never the updated ones, they give the same values."""
