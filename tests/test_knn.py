@@ -697,7 +697,7 @@ def _reference_neighbours(pos, box, k, query=None):
     return tree.query(_wrap64(query, box), k=k)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (2, 4)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params([(1, 1), (2, 4)], ci=[(2, 4)]), ids=mesh_id)
 def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one(shape):
     """Reverse mode of sum(w * delta) with respect to per-particle masses (N = 510, padded
     on 8 devices): the masses enter each density's sum and the mean. Rows not computed
@@ -726,7 +726,7 @@ def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one(shape):
     assert np.isfinite(scalar) and abs(float(scalar)) < 1e-5 * scale
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (2, 4)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params([(1, 1), (2, 4)], ci=[(2, 4)]), ids=mesh_id)
 def test_gradient_with_respect_to_query_points_is_the_analytic_one(shape):
     """d sum(w * dist) / d query: each distance moves with its query point along the unit
     offset from the neighbour (neighbours held fixed), wrapped across the box."""
