@@ -24,6 +24,15 @@ def mesh_id(shape):
     return f"mesh{shape[0]}x{shape[1]}"
 
 
+def xla_flags_with_devices(count: int):
+    """This process's ``XLA_FLAGS`` with the host device count set to ``count``: a child
+    process then compiles as this one does (e.g. .ci/run's optimisation level, which
+    changes bits and compile time)."""
+    flag = "--xla_force_host_platform_device_count"
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+    return " ".join(kept + [f"{flag}={count}"])
+
+
 def mesh_params(shapes, ci=None):
     """``shapes`` as pytest parameters, those not in ``LEG2_MESHES`` marked ``leg1``:
     .ci/run's leg 2 (the newest jax) runs a mesh-parametrised test marked ``newest`` on a

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from conftest import requires_jaxpm
+from conftest import requires_jaxpm, xla_flags_with_devices
 
 import jaxpm_halos
 
@@ -37,12 +37,10 @@ def assert_same_run(a, b):
 
 
 def test_single_and_two_process_runs_write_the_same_directory(tmp_path):
-    # Both runs compile as this process does (the same XLA flags but the device count, e.g.
-    # .ci/run's optimisation level, which halves their compile time): the script's 8
-    # devices, then launch_local.sh's 4 per process.
-    count = "--xla_force_host_platform_device_count"
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count))
-    env = dict(os.environ, XLA_FLAGS=flags)
+    # Both runs compile as this process does (.ci/run's optimisation level halves their
+    # compile time), on 8 devices, then on launch_local.sh's 4 per process (the last count
+    # XLA reads wins).
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(8))
     out = run(
         [sys.executable, "examples/insitu_run.py", *SMALL, "--out", str(tmp_path / "one")], env
     )

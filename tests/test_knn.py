@@ -122,7 +122,7 @@ def test_unsharded_matches_scipy(clustered, unsharded):
 
 
 @pytest.mark.optimised
-@pytest.mark.parametrize("shape", mesh_params(MESH_SHAPES), ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", mesh_params(MESH_SHAPES), ids=mesh_id)
 @pytest.mark.newest
 def test_every_mesh_matches_scipy_and_the_unsharded_result(clustered, unsharded, shape):
     mesh = make_mesh(shape)
@@ -585,7 +585,7 @@ def test_overdensity_of_equal_masses_is_the_same_bits_on_a_mesh_as_on_one_device
 
 
 @pytest.mark.slow  # FoF's runs in CI: the padding is the shared pipeline's
-@pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=lambda s: f"mesh{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1)], ids=mesh_id)
 def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     """N = 4093 on 8 devices: padded inside; no padding row is a neighbour, and the mean
     density of ``overdensity`` counts the real particles only."""

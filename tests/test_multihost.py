@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags_with_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -96,13 +97,10 @@ def test_two_processes_equal_one(tmp_path, jaxpm_snapshot_32):
     analyses = ("fof",)
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    # The children compile as this process does (the same XLA flags, e.g. .ci/run's leg 2
-    # optimisation level, which changes bits), on 4 devices each.
-    count = "--xla_force_host_platform_device_count"
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+    # The children compile as this process does, on 4 devices each.
     env = dict(
         os.environ,
-        XLA_FLAGS=" ".join(flags + [f"{count}=4"]),
+        XLA_FLAGS=xla_flags_with_devices(4),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(Path(__file__).resolve().parent.parent),
     )

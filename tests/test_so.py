@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, requires
+from conftest import make_mesh, mesh_id, requires
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from scipy.spatial import cKDTree
@@ -460,7 +460,7 @@ def planted():
 @pytest.mark.parametrize(
     "shape",
     [(1, 8)] + [pytest.param(s, marks=pytest.mark.slow) for s in ((4, 2), (1, 1))],
-    ids=lambda s: f"mesh{s[0]}x{s[1]}",
+    ids=mesh_id,
 )
 def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     mesh = make_mesh(shape)
