@@ -1,4 +1,5 @@
-"""The example scripts run as documented: the in-situ run on one process, and its
+"""The example scripts run as documented: the in-situ run on one process, and (marker
+slow, for CI's time; ``test_multihost`` checks the library's two-process runs in CI) its
 multi-host version through the local two-process launch, which must write the same run."""
 
 import os
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import requires_jaxpm, xla_flags_with_devices
 
 import jaxpm_halos
@@ -36,18 +38,27 @@ def assert_same_run(a, b):
             np.testing.assert_array_equal(value, getattr(b, part)[name], err_msg=name)
 
 
-def test_single_and_two_process_runs_write_the_same_directory(tmp_path):
-    # Both runs compile as this process does (.ci/run's optimisation level halves their
-    # compile time), on 8 devices, then on launch_local.sh's 4 per process (the last count
-    # XLA reads wins).
-    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(8))
-    out = run(
-        [sys.executable, "examples/insitu_run.py", *SMALL, "--out", str(tmp_path / "one")], env
-    )
+# Both runs compile as this process does (.ci/run's optimisation level halves their compile
+# time), on 8 devices, then on launch_local.sh's 4 per process (the last count XLA reads wins).
+ENV = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(8))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    path = tmp_path_factory.mktemp("example") / "one"
+    out = run([sys.executable, "examples/insitu_run.py", *SMALL, "--out", str(path)], ENV)
+    return out, jaxpm_halos.load_run(path)
+
+
+def test_single_process_run_writes_its_directory(one_process):
+    out, one = one_process
     assert "3 snapshots on mesh (2, 4)" in out
-    one = jaxpm_halos.load_run(tmp_path / "one")
     assert len(one.catalogue(-1)) > 20 and "m200m" in one.catalogue(-1)
+
+
+@pytest.mark.slow
+def test_two_process_run_writes_the_same_directory(one_process, tmp_path):
     launch = ["bash", "examples/launch_local.sh", *SMALL, "--out", str(tmp_path / "two")]
-    out = run(launch, dict(env, PYTHON=sys.executable))
+    out = run(launch, dict(ENV, PYTHON=sys.executable))
     assert out.count("wrote") == 1  # process 0 writes and reports
-    assert_same_run(one, jaxpm_halos.load_run(tmp_path / "two"))
+    assert_same_run(one_process[1], jaxpm_halos.load_run(tmp_path / "two"))

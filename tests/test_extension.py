@@ -910,20 +910,21 @@ def _collapsed_state(mesh, nc=16, centre=(4.0, 2.0, 8.0), sigma=0.6, seed=0):
     )
 
 
+def _shared_decomposition_overflow():
+    """A collapsed state on (2, 4), box 32, and FoF with kNN density in situ whose shared
+    decomposition overflows its ghost buffer alone (one growth round, not three)."""
+    domain = jaxpm_halos.DomainConfig(capacity_factor=8.8, transfer_factor=2.21)
+    insitu = InSitu(box_size=32.0, analyses=("fof", "knn_density"), k=8, domain=domain)
+    return _collapsed_state(make_mesh((2, 4))), 32.0, insitu
+
+
 @pytest.mark.leg1
 @NEEDS_KNN
 def test_every_analysis_status_covers_the_shared_decomposition():
     """Under jit an overflow of the shared decomposition used to show only in
     out["domain"]: the kNN status said ok with every density wrong. Now each analysis's
-    status includes the decomposition it ran on, so check_insitu of any part raises, and
-    the eager call grows the buffers and equals cKDTree's density."""
-    from scipy.spatial import cKDTree
-
-    mesh = make_mesh((2, 4))
-    y, box = _collapsed_state(mesh), 32.0
-    # Sized so that only the ghost buffer overflows: one growth round, not three.
-    domain = jaxpm_halos.DomainConfig(capacity_factor=8.8, transfer_factor=2.21)
-    insitu = InSitu(box_size=box, analyses=("fof", "knn_density"), k=8, domain=domain)
+    status includes the decomposition it ran on, so check_insitu of any part raises."""
+    y, box, insitu = _shared_decomposition_overflow()
     out = jax.jit(lambda y: insitu(y, 1.0))(y)
     assert not bool(out["domain"].ok)
     assert not bool(out["knn_density"]["status"].ok)
@@ -931,6 +932,16 @@ def test_every_analysis_status_covers_the_shared_decomposition():
     for part in (out["knn_density"], out["fof"], out):
         with pytest.raises(jaxpm_halos.CapacityError, match=r"InSitu\(domain=DomainConfig"):
             check(part, insitu)
+
+
+@pytest.mark.slow
+@NEEDS_KNN
+def test_an_eager_insitu_call_grows_the_shared_decomposition():
+    """The eager call grows the shared decomposition's buffers and equals cKDTree's
+    density."""
+    from scipy.spatial import cKDTree
+
+    y, box, insitu = _shared_decomposition_overflow()
     with pytest.warns(jaxpm_halos.GrowthWarning):
         grown = insitu(y, 1.0)
     pos = np.asarray(from_jaxpm(y, box_size=box).pos, np.float64).reshape(-1, 3)

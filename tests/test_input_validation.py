@@ -560,7 +560,8 @@ def test_repeated_ids_on_devices_fail_the_status(shape):
             jax.block_until_ready(jax.jit(checked)(particles))
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 8), (1, 1)], ci=[(2, 4)]), ids=mesh_id)
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 8), (1, 1)]), ids=mesh_id)
 def test_repeated_ids_of_groups_below_min_members_are_caught(shape):
     """The probe's case: groups too small for the catalogue, whole on different devices,
     sharing their smallest id (pairs at opposite corners, and isolated particles); also by

@@ -937,7 +937,7 @@ def test_index_overflow_names_the_knob_and_grows(clustered):
     _assert_same(grown, suggested)
 
 
-@pytest.mark.leg1
+@pytest.mark.slow
 def test_overflow_inside_jit_leaves_no_row_plausible(clustered):
     # The index holds rows every query may read: once it overflowed, no row can be trusted,
     # so every row is NaN / -1 (not finite and wrong), and the density alike.

@@ -24,7 +24,11 @@ def insitu_run(mesh_shape, **settings):
     return run, insitu
 
 
-@pytest.fixture(scope="module", params=[(2, 4), None], ids=["mesh2x4", "one_device"])
+@pytest.fixture(
+    scope="module",
+    params=[(2, 4), pytest.param(None, marks=pytest.mark.slow)],
+    ids=["mesh2x4", "one_device"],
+)
 def written(request, tmp_path_factory):
     run, insitu = insitu_run(request.param)
     directory = tmp_path_factory.mktemp("run") / "halos"

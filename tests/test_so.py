@@ -520,6 +520,7 @@ def test_peaks_after_a_knn_overflow_inside_jit_are_nan(planted):
     assert bool(grown.status.ok) and np.isfinite(grown.to_numpy()["peak"]).all()
 
 
+@pytest.mark.slow
 def test_a_peak_among_members_whose_density_is_partly_unknown_is_nan():
     """Clumps on pencil corners, and a cross-device kNN buffer ('peak knn remote') too
     small inside jit: some members get no density, and the densest of the rest was taken
@@ -555,6 +556,7 @@ def test_a_peak_among_members_whose_density_is_partly_unknown_is_nan():
         np.testing.assert_array_equal(peak, pos[members[np.lexsort((members, -rho[members]))[0]]])
 
 
+@pytest.mark.slow
 def test_coincident_particles_have_a_defined_density_and_leave_the_peak_finite():
     """k coincident massless members made (k-1) 0 / 0 = NaN densities with status ok, and
     the peak (read NaN as "not computed") and the SO mass about it NaN too, eager, with
