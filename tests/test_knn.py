@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import MESH_SHAPES, make_mesh, mesh_id, mesh_params
+from conftest import CI_MESHES, MESH_SHAPES, make_mesh, mesh_id, mesh_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from scipy.spatial import cKDTree
@@ -248,7 +248,7 @@ def test_a_tree_library_too_old_or_missing_is_not_used():
     assert not tree._usable("no_such_tree_library")
 
 
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=[(2, 4)]), ids=mesh_id)
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=CI_MESHES), ids=mesh_id)
 def test_a_vmapped_density_calls_the_tree_per_element_and_equals_the_calls(monkeypatch, shape):
     """Under ``vmap`` the host tree's primitive is batched as a loop of its calls, one per
     element and device; the batch must give each element's own densities, bit for bit,
@@ -739,7 +739,7 @@ def test_overdensity_gradient_with_respect_to_masses_is_the_analytic_one(shape):
     assert np.isfinite(scalar) and abs(float(scalar)) < 1e-5 * scale
 
 
-@pytest.mark.parametrize("shape", mesh_params([(1, 1), (2, 4)], ci=[(2, 4)]), ids=mesh_id)
+@pytest.mark.parametrize("shape", mesh_params([(1, 1), (2, 4)], ci=CI_MESHES), ids=mesh_id)
 def test_gradient_with_respect_to_query_points_is_the_analytic_one(shape):
     """d sum(w * dist) / d query: each distance moves with its query point along the unit
     offset from the neighbour (neighbours held fixed), wrapped across the box."""

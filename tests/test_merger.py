@@ -5,7 +5,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from conftest import ALL_MESHES, make_mesh, mesh_params, requires_jaxpm
+from conftest import ALL_MESHES, CI_MESHES, make_mesh, mesh_params, requires_jaxpm
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,7 +46,7 @@ def assert_links_equal(links, expected):
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-@pytest.mark.parametrize("shape", mesh_params(ALL_MESHES, ci=[(2, 4)]) + [None])
+@pytest.mark.parametrize("shape", mesh_params(ALL_MESHES, ci=CI_MESHES) + [None])
 def test_links_match_reference(history, shape):
     """Eager and under a plain jax.jit, on every mesh and on one device."""
     snapshots = snapshots_on(history, shape)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, mesh_id, mesh_params, on_ci_meshes, requires_jaxpm
+from conftest import CI_MESHES, make_mesh, mesh_id, mesh_params, on_ci_meshes, requires_jaxpm
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -153,7 +153,7 @@ def _chain_reference(disp, labels, ids, weights, snap, density, mass, h):
 
 @pytest.mark.newest
 @requires_jaxpm
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=[(2, 4)]), ids=mesh_id)
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=CI_MESHES), ids=mesh_id)
 def test_insitu_smooth_masses_differentiate_like_their_definition(jaxpm_snapshot_32, shape):
     """d(sum w m200m) / d(displacement) of InSitu's catalogue (so_smoothing) along a random
     direction equals differences of the float64 chain (frozen membership, centres of

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh, mesh_id, mesh_params
+from conftest import CI_MESHES, make_mesh, mesh_id, mesh_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,7 +82,7 @@ def test_soft_counts_derivatives_equal_finite_differences(masses):
 
 
 @pytest.mark.newest
-@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=[(2, 4)]), ids=mesh_id)
+@pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=CI_MESHES), ids=mesh_id)
 def test_counts_of_smooth_so_masses_from_a_sharded_catalogue(shape):
     """fof(so_smoothing) on a mesh, then soft counts of its m200 (padded rows included):
     the counts equal the definitions' and their derivative along random positions equals
