@@ -3,6 +3,7 @@
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ALL_MESHES, CI_MESHES, make_mesh, mesh_params, requires_jaxpm
@@ -85,21 +86,16 @@ def test_refuses_mismatched_input(history):
             jaxpm_halos.merger_links(la, ca, lb, {"id": cb.id})
 
 
-@requires_jaxpm
-def test_tree_of_an_in_situ_run():
-    from jaxpm_halos.simulation import run_simulation
-
-    insitu = jaxpm_halos.InSitu(box_size=BOX, analyses=("fof",), b=0.2, min_members=10)
-    times = (0.5, 0.75, 1.0)
-    run = run_simulation(NC, BOX, STEPS, times, mesh=make_mesh((2, 4)), saveat_fn=insitu)
-    labels, catalogue = run.saved["fof"]["labels"], run.saved["fof"]["catalogue"]
-    catalogues = [jaxpm_halos.gather_catalogue(catalogue, snapshot=i) for i in range(3)]
+def _check_tree(labels, catalogue):
+    """snapshot_links (eager, under jax.jit, and grown), main_branches and along_branches of
+    FoF labels and a catalogue stacked over three snapshots, against the serial reference."""
+    catalogues = [jaxpm_halos.gather_catalogue(catalogue, snapshot=i) for i in range(len(labels))]
     links = jaxpm_halos.snapshot_links(labels, catalogue)
     jitted = jax.jit(jaxpm_halos.snapshot_links)(labels, catalogue)
     small = jaxpm_halos.MergerConfig(max_pairs=2)  # grown once, for every pair alike
     with pytest.warns(jaxpm_halos.GrowthWarning, match="MergerConfig"):
         grown = jaxpm_halos.snapshot_links(labels, catalogue, config=small)
-    for i in range(len(times) - 1):
+    for i in range(len(catalogues) - 1):
         expected = merger_links_reference(
             np.asarray(labels[i]),
             catalogues[i]["id"],
@@ -113,7 +109,7 @@ def test_tree_of_an_in_situ_run():
     np.testing.assert_array_equal(branches[:, -1], catalogues[-1]["id"])
     np.testing.assert_array_equal(mass[:, -1], catalogues[-1]["mass"])
     assert np.isnan(mass[branches == -1]).all() and not np.isnan(mass[branches >= 0]).any()
-    for s in range(len(times) - 1):  # each column is the next one's main progenitor
+    for s in range(len(catalogues) - 1):  # each column is the next one's main progenitor
         backward = jaxpm_halos.merger_links(
             labels[s],
             jax.tree.map(lambda x, s=s: x[s], catalogue),
@@ -125,6 +121,25 @@ def test_tree_of_an_in_situ_run():
             main.get(b, -1) if b >= 0 else -1 for b in branches[:, s + 1]
         ]
     assert (branches[:, 0] >= 0).mean() > 0.3  # most of today's haloes existed at a = 0.5
+
+
+def test_tree_of_stacked_snapshots(history):
+    """The tree of one run's snapshots stacked as InSitu.saveat returns them (with -m slow,
+    test_tree_of_an_in_situ_run takes them from an in-situ run)."""
+    snapshots = snapshots_on(history, (2, 4))
+    labels = jnp.stack([labels for labels, _ in snapshots])
+    catalogue = jax.tree.map(lambda *fields: jnp.stack(fields), *[cat for _, cat in snapshots])
+    _check_tree(labels, catalogue)
+
+
+@pytest.mark.slow
+@requires_jaxpm
+def test_tree_of_an_in_situ_run():
+    from jaxpm_halos.simulation import run_simulation
+
+    insitu = jaxpm_halos.InSitu(box_size=BOX, analyses=("fof",), b=0.2, min_members=10)
+    run = run_simulation(NC, BOX, STEPS, (0.5, 0.75, 1.0), mesh=make_mesh((2, 4)), saveat_fn=insitu)
+    _check_tree(run.saved["fof"]["labels"], run.saved["fof"]["catalogue"])
 
 
 def test_two_key_sort_gives_the_same_links(history, monkeypatch):
