@@ -2,9 +2,11 @@
 
 Run it with::
 
-    python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20] [--snapshots 0.5,1.0]
-        [--mesh 2,4] [--pm-factor 2] [--no-m200m] [--centre peak] [--b 0.2] [--min-members 20]
-        [--k 16] [--out halos_out]
+    python -m jaxpm_halos.demo [--nc 64] [--box 128] [--steps 20]
+        [--snapshots 0.5,0.625,0.75,0.875,1.0] [--mesh 2,4] [--pm-factor 2] [--no-m200m]
+        [--centre peak] [--b 0.2] [--min-members 20] [--k 16] [--out halos_out]
+
+(``--help`` lists every option.)
 
 On a machine with only a CPU, the run is spread over 8 XLA host devices (a ``(2, 4)``
 mesh) unless ``XLA_FLAGS`` already chooses a device count; otherwise it uses all local
@@ -19,13 +21,14 @@ inside the jitted solve (``diffrax.SaveAt(ts=snapshots, fn=...)``),
 At the end it prints, per snapshot, the number of halos, the largest masses (Msun/h), the
 median kNN density, and the time of the analyses against one PM step: the compiled solve
 is run again with the analyses switched off by a traced flag (``lax.cond``), and once per
-snapshot with them on at that snapshot only (``--timing``). It writes one HDF5 catalogue
-per snapshot (``halos_a1.0000.h5``, see :mod:`jaxpm_halos.io`), ``mass_function.png``
-(FoF masses against the Watson et al. 2013 FoF fit and, unless ``--no-m200m``, beside
-them the in-situ spherical-overdensity M200m of the same haloes, about their density peaks or
-centres of mass (``--centre``), against Tinker et al. 2008) and
-``density_slice.png`` to ``--out``, and prints the counts above 100 particles against
-the fits.
+snapshot with them on at that snapshot only (``--timing``). It writes to ``--out`` the run
+directory ``run/`` of :func:`jaxpm_halos.write_run` (each snapshot's HDF5 catalogue with
+member ids and merger links, the main-branch tree and a halo light cone to
+``--lightcone-z``), ``accretion_histories.png``, ``mass_function.png`` (FoF masses
+against the Watson et al. 2013 FoF fit and, unless ``--no-m200m``, beside them the in-situ
+spherical-overdensity M200m of the same haloes, about their density peaks or centres of
+mass (``--centre``), against Tinker et al. 2008) and ``density_slice.png``, and prints the
+counts against the fits.
 
 This module is only the command line: the run itself is
 :func:`jaxpm_halos.simulation.run_simulation`.
