@@ -556,16 +556,11 @@ def test_the_counter_sees_a_sort_that_runs_at_every_step():
     assert per_step > 0 and per_save > 0, (per_step, per_save)
 
 
+# In CI, test_one_save_time_runs_the_analyses_once_not_at_every_step checks the same loops
+# through InSitu.saveat.
+@pytest.mark.slow
 @requires_jaxpm
-@pytest.mark.parametrize(
-    "saveat_fn",
-    # In CI, test_one_save_time_runs_the_analyses_once_not_at_every_step checks the same
-    # loops through InSitu.saveat.
-    [
-        pytest.param(fn, marks=pytest.mark.slow)
-        for fn in ("insitu", "insitu_switchable", "user_sort")
-    ],
-)
+@pytest.mark.parametrize("saveat_fn", ["insitu", "insitu_switchable", "user_sort"])
 def test_demo_with_one_snapshot_runs_its_saveat_fn_once_not_at_every_step(saveat_fn):
     """The same through the demo's run_simulation, whose SaveAt also saves t1 and whose
     switchable_saveat_fn wraps the analyses in a lax.cond; and for any saveat_fn there (here
