@@ -88,7 +88,7 @@ def test_refuses_mismatched_input(history):
 
 def _check_tree(labels, catalogue):
     """snapshot_links (eager, under jax.jit, and grown), main_branches and along_branches of
-    FoF labels and a catalogue stacked over three snapshots, against the serial reference."""
+    FoF labels and a catalogue stacked over the snapshots, against the serial reference."""
     catalogues = [jaxpm_halos.gather_catalogue(catalogue, snapshot=i) for i in range(len(labels))]
     links = jaxpm_halos.snapshot_links(labels, catalogue)
     jitted = jax.jit(jaxpm_halos.snapshot_links)(labels, catalogue)
@@ -127,7 +127,7 @@ def test_tree_of_stacked_snapshots(history):
     """The tree of one run's snapshots stacked as InSitu.saveat returns them (with -m slow,
     test_tree_of_an_in_situ_run takes them from an in-situ run)."""
     snapshots = snapshots_on(history, (2, 4))
-    labels = jnp.stack([labels for labels, _ in snapshots])
+    labels = jnp.stack([snapshot_labels for snapshot_labels, _ in snapshots])
     catalogue = jax.tree.map(lambda *fields: jnp.stack(fields), *[cat for _, cat in snapshots])
     _check_tree(labels, catalogue)
 
