@@ -1,6 +1,8 @@
 """Run directories: write_run / load_run round-trip an in-situ JaxPM run's catalogues,
 members, merger links, tree and metadata, checked against numpy references."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -131,13 +133,25 @@ def test_lightcone_round_trips(written):
     assert set(cone["snapshot"]) == {1, 2} and cone["z_cos"].max() <= 0.2
 
 
+def _with_halos_needed(saved, rows: int):
+    """``saved`` with its FoF status saying ``rows`` catalogue rows were needed at the last
+    snapshot, beyond any ``max_halos``."""
+    from jaxpm_halos.core.config import MAX_HALOS
+
+    cat = saved["fof"]["catalogue"]
+    name = next(n for n, limit in cat.status.limits if limit.knob == MAX_HALOS)
+    needed = dict(cat.status.needed, **{name: cat.status.needed[name].at[-1].set(rows)})
+    cat = dataclasses.replace(cat, status=dataclasses.replace(cat.status, needed=needed))
+    return dict(saved, fof=dict(saved["fof"], catalogue=cat))
+
+
 def test_failed_status_is_refused_and_the_old_run_kept(written, tmp_path):
-    _, _, loaded = written
+    run, insitu, loaded = written
     if list(loaded.attrs["mesh_shape"]) != [2, 4]:
         pytest.skip("the refusals do not depend on the mesh: checked on (2, 4)")
-    run, insitu = insitu_run((2, 4), fof=jaxpm_halos.FoFConfig(max_halos=4))
+    failed = _with_halos_needed(run.saved, 10**6)  # as a run whose catalogue overflowed
     with pytest.raises(jaxpm_halos.CapacityError, match="max_halos"):
-        jaxpm_halos.write_run(loaded.directory, run.saved, insitu, times=TIMES, cosmology={})
+        jaxpm_halos.write_run(loaded.directory, failed, insitu, times=TIMES, cosmology={})
     assert jaxpm_halos.load_run(loaded.directory).attrs["created"] == loaded.attrs["created"]
     with pytest.raises(ValueError, match="Omega_m = 0.3, but the InSitu's omega_m"):
         jaxpm_halos.write_run(

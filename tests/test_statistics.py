@@ -99,12 +99,11 @@ def test_counts_of_smooth_so_masses_from_a_sharded_catalogue(shape):
     rho, h, edges = 200 * n / box**3, 0.1, np.arange(1.0, 3.01, 0.25)  # log10 of particles
 
     def summary(p):
-        _, cat = jh.fof(p, box, b=0.2, so={"200": rho}, so_smoothing=h)
-        return soft_counts(cat.so["m200"], edges, width=0.1, valid=cat.id >= 0), cat
+        labels, cat = jh.fof(p, box, b=0.2, so={"200": rho}, so_smoothing=h)
+        return soft_counts(cat.so["m200"], edges, width=0.1, valid=cat.id >= 0), (labels, cat)
 
     v = rng.standard_normal(pos.shape)
-    (counts, cat), (tangent, _) = jax.jvp(summary, (x,), (jnp.asarray(v, jnp.float32),))
-    labels, halos = jh.fof(x, box, b=0.2)
+    (counts, (labels, halos)), (tangent, _) = jax.jvp(summary, (x,), (jnp.asarray(v, jnp.float32),))
     halos = halos.to_numpy()
     labels = np.asarray(labels)
 
