@@ -613,7 +613,6 @@ def test_particle_count_not_divisible_by_the_devices(clustered, shape):
     np.testing.assert_allclose(np.asarray(delta), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.newest
 def test_reduce_hook_returns_only_per_particle_values(clustered):
     k = 8
     mesh = make_mesh((2, 4))
@@ -666,7 +665,6 @@ def test_reduce_hook_returns_only_per_particle_values(clustered):
     assert error.value.args == ("weights",)
 
 
-@pytest.mark.newest
 def test_gradients_equal_the_analytic_gradient_with_the_neighbours_held_fixed():
     """Reverse mode of sum(w * dist) + sum(log rho) against its float64 analytic gradient:
     with the neighbours held fixed, d |x_j - x_n| moves x_j along the unit offset u and x_n
@@ -979,7 +977,12 @@ def _row_summary(dist, idx, data):
 
 @pytest.mark.parametrize(
     "config",
-    [jh.KNNConfig(ghost_width=0.5), jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=1.2))],
+    [
+        jh.KNNConfig(ghost_width=0.5),
+        pytest.param(
+            jh.KNNConfig(domain=jh.DomainConfig(capacity_factor=1.2)), marks=pytest.mark.slow
+        ),
+    ],
     ids=["knn-remote", "domain-capacity"],
 )
 def test_reduce_rows_not_completed_inside_jit_are_blank(clustered, unsharded, config):

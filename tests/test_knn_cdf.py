@@ -181,7 +181,6 @@ def test_other_ranks_and_replicated_queries_in_any_leading_shape():
     np.testing.assert_array_equal(np.rint(np.asarray(cdf) * Q), np.rint(want * Q))
 
 
-@pytest.mark.newest
 @on_ci_meshes()
 def test_gradient_matches_finite_differences(mesh):
     pos, query = _shard(mesh, POS), _shard(mesh, QUERY)
@@ -277,7 +276,6 @@ def test_bad_registrations_raise():
     assert "bad_cdf" not in REGISTRY
 
 
-@pytest.mark.newest
 def test_docstring_examples_run_as_written():
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.attempted > 0 and result.failed == 0
@@ -344,7 +342,6 @@ def insitu_reference(registered):
     return out, offline
 
 
-@pytest.mark.newest
 def test_insitu_cdf_is_the_offline_cdf(insitu_reference):
     out, (hard, smooth) = insitu_reference
     cdf = np.asarray(out["knn_cdf"]["cdf"])

@@ -118,6 +118,7 @@ def test_refined_ode_at_lattice_resolution_is_jaxpms():
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(ref[1]), atol=2e-6 * scale)
 
 
+@pytest.mark.slow
 @requires_jaxpm
 def test_refined_ode_on_a_mesh_equals_one_device():
     """pm_nc = 2 nc: the PM density has mean 1, and the (2, 4) mesh gives the single-device

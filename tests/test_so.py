@@ -288,6 +288,7 @@ def test_pair_buffer_batches_and_overflow():
         )
 
 
+@pytest.mark.slow
 def test_no_centres_give_empty_results_inside_and_outside_jit():
     # A catalogue with no haloes (a small box, an early snapshot) was refused: "H >= 1".
     empty = np.zeros((0, 3), np.float32)
@@ -459,7 +460,7 @@ def planted():
 @pytest.mark.leg1
 @pytest.mark.parametrize(
     "shape",
-    [(1, 8)] + [pytest.param(s, marks=pytest.mark.slow) for s in ((4, 2), (1, 1))],
+    [pytest.param(s, marks=pytest.mark.slow) for s in ((1, 8), (4, 2), (1, 1))],
     ids=mesh_id,
 )
 def test_density_peaks_of_planted_clumps_and_so(shape, planted):
@@ -657,6 +658,7 @@ def test_fof_so_definitions_about_the_centre_of_mass():
         jh.fof(pos, box, b=0.2, centre="middle")
 
 
+@pytest.mark.slow
 def test_a_group_of_massless_members_has_nan_centre_and_so_values():
     """Masses of 0 are allowed; a group whose members are all massless has no
     mass-weighted centre, velocity or radius (0 / 0): NaN, not its first member's

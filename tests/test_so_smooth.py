@@ -112,6 +112,7 @@ def test_smoothing_is_refused_with_per_particle_masses_and_bad_widths(layout):
         jh.fof(x, BOX, b=0.2, so_smoothing=0.1)
 
 
+@pytest.mark.slow
 def test_a_small_window_buffer_grows_or_names_its_setting(layout):
     mesh = make_mesh((2, 4))
     x = _put(mesh, layout)

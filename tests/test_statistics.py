@@ -81,7 +81,6 @@ def test_soft_counts_derivatives_equal_finite_differences(masses):
     assert np.sum(grad * v) == pytest.approx(fd, rel=1e-3)
 
 
-@pytest.mark.newest
 @pytest.mark.parametrize("shape", mesh_params([(2, 4), (1, 1)], ci=CI_MESHES), ids=mesh_id)
 def test_counts_of_smooth_so_masses_from_a_sharded_catalogue(shape):
     """fof(so_smoothing) on a mesh, then soft counts of its m200 (padded rows included):
