@@ -457,12 +457,10 @@ def planted():
     return pos, spots, np.asarray(jh.knn_density(pos, BOX, 8, mesh=make_mesh((1, 1))))
 
 
+# In CI, test_insitu_so_and_peaks_equal_fof_afterwards_and_brute_force checks peaks and SO.
+@pytest.mark.slow
 @pytest.mark.leg1
-@pytest.mark.parametrize(
-    "shape",
-    [pytest.param(s, marks=pytest.mark.slow) for s in ((1, 8), (4, 2), (1, 1))],
-    ids=mesh_id,
-)
+@pytest.mark.parametrize("shape", [(1, 8), (4, 2), (1, 1)], ids=mesh_id)
 def test_density_peaks_of_planted_clumps_and_so(shape, planted):
     mesh = make_mesh(shape)
     pos, spots, rho = planted
